@@ -1,0 +1,787 @@
+"""What every strategy script shares: the model, the data, the command line, the
+process group, metrics, the results record and checkpoints; at the end, in its own
+section, the pipeline helpers that pipeline_train.py and hybrid_train.py both use.
+
+Nothing here is specific to one strategy: the parallelism itself lives in each
+*_train.py, which reads top to bottom as the story of one strategy.
+"""
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import resource
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+# torchrun sets RANK before the process starts, so this is fixed for the process's life.
+RANK = int(os.environ.get("RANK", "0"))
+IS_MAIN = RANK == 0
+
+
+def log(*parts):
+    """Print on rank 0 only: N ranks printing the same line helps nobody."""
+    if IS_MAIN:
+        print(*parts, flush=True)
+
+
+# ----------------------------------------------------------------------------
+# Model: a GPT-style decoder that every strategy uses unchanged
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    n_layers: int
+    n_heads: int
+    d_model: int
+    vocab_size: int
+    max_seq_len: int
+    lr: float  # default peak learning rate: GPT-3's for the sizes it trained, higher for tiny
+
+
+PRESETS = {
+    # CPU and tests: 8 blocks so 4 pipeline ranks can hold 2 stages each, 4 heads for 4-way TP.
+    "tiny": ModelConfig(n_layers=8, n_heads=4, d_model=64, vocab_size=512, max_seq_len=64, lr=3e-3),
+    # GPT-2 medium shape: trains comfortably on one GPU.
+    "350m": ModelConfig(n_layers=24, n_heads=16, d_model=1024, vocab_size=32000, max_seq_len=1024, lr=3e-4),
+    # The article's 2.5B-parameter Transformer: 2.52B in the blocks, 2.68B in all.
+    "2.5b": ModelConfig(n_layers=32, n_heads=20, d_model=2560, vocab_size=32000, max_seq_len=1024, lr=1.6e-4),
+    # GPT-3 6.7B shape: fp32 Adam needs ~107 GB before activations, more than DDP can hold
+    # on one H200; FSDP with CPU offload trains it.
+    "6.7b": ModelConfig(n_layers=32, n_heads=32, d_model=4096, vocab_size=32000, max_seq_len=1024, lr=1.2e-4),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d = cfg.d_model
+        self.head_dim = d // cfg.n_heads
+        # Separate q/k/v so tensor parallelism can split each by heads.
+        self.q = nn.Linear(d, d, bias=False)
+        self.k = nn.Linear(d, d, bias=False)
+        self.v = nn.Linear(d, d, bias=False)
+        self.o = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        # -1 heads, not n_heads: under tensor parallelism a rank holds n_heads / tp of them.
+        q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.fc_in = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=False)
+        self.fc_out = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x):
+        return self.fc_out(F.gelu(self.fc_in(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm Transformer block."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only Transformer, or any consecutive slice of one.
+
+    Blocks sit in a ModuleDict keyed by their global index, so a parameter has the same
+    name on every stage and in every checkpoint; embeddings and head are optional, so a
+    pipeline stage builds only what it runs. The head is not tied to the embedding: tying
+    would couple the first and last pipeline stages.
+    """
+
+    def __init__(self, cfg, layers=None, embed=True, head=True):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.d_model
+        self.tok_emb = nn.Embedding(cfg.vocab_size, d) if embed else None
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, d) if embed else None
+        layers = range(cfg.n_layers) if layers is None else layers
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in layers})
+        self.norm = nn.LayerNorm(d) if head else None
+        self.head = nn.Linear(d, cfg.vocab_size, bias=False) if head else None
+        self.activation_checkpointing = False
+
+    def forward(self, x):
+        if self.tok_emb is not None:
+            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks.values():
+            if self.activation_checkpointing:
+                # Keep only each block's input; recompute its inside during backward.
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        if self.head is not None:
+            x = self.head(self.norm(x))
+        return x
+
+    @torch.no_grad()
+    def init_weights(self, seed):
+        """GPT-2 init, each part from its own generator seeded by (seed, part): a stage
+        that builds only blocks 8-15 gets exactly the weights the whole model has there."""
+        parts = [("embed", [self.tok_emb, self.pos_emb])] if self.tok_emb is not None else []
+        parts += [(f"block{i}", [b]) for i, b in self.blocks.items()]
+        parts += [("head", [self.norm, self.head])] if self.head is not None else []
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for name, modules in parts:
+            gen = torch.Generator(self._device()).manual_seed(seed * 1_000_003 + _part_index(name, self.cfg))
+            for module in modules:
+                for pname, p in module.named_parameters():
+                    if isinstance(module, nn.LayerNorm) or "norm" in pname:
+                        nn.init.ones_(p) if pname.endswith("weight") else nn.init.zeros_(p)
+                    else:
+                        std = residual_std if pname.endswith(("o.weight", "fc_out.weight")) else 0.02
+                        nn.init.normal_(p, 0.0, std, generator=gen)
+
+    def _device(self):
+        return next(self.parameters()).device
+
+
+def _part_index(name, cfg):
+    if name == "embed":
+        return 0
+    if name == "head":
+        return cfg.n_layers + 1
+    return int(name.removeprefix("block")) + 1
+
+
+def build_model(cfg, device, seed, layers=None, embed=True, head=True):
+    """Build (a slice of) the model straight on `device`, then give it its deterministic
+    weights. Building on the device avoids materialising a 2.5B model on the CPU first."""
+    with torch.device(device):
+        model = GPT(cfg, layers, embed, head)
+    model.init_weights(seed)
+    return model
+
+
+def count_params(cfg):
+    d, L, V = cfg.d_model, cfg.n_layers, cfg.vocab_size
+    block = 12 * d * d + 4 * d  # q, k, v, o, MLP in and out; two LayerNorms' weight and bias
+    return V * d + cfg.max_seq_len * d + L * block + 2 * d + d * V
+
+
+def flops_per_token(cfg, seq_len):
+    """Training FLOPs per token, 6N + 12·L·d·T (PaLM appendix B): N counts the matmul
+    weights of blocks and head, not the embeddings (lookups, not matmuls); the second
+    term is attention's QK^T and AV."""
+    n_matmul = cfg.n_layers * 12 * cfg.d_model**2 + cfg.d_model * cfg.vocab_size
+    return 6 * n_matmul + 12 * cfg.n_layers * cfg.d_model * seq_len
+
+
+def loss_fn(logits, targets):
+    """Mean next-token cross entropy, in fp32 whatever the autocast dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def compile_blocks(model):
+    """torch.compile each block in place: names stay as they were (no `_orig_mod.`), and
+    every strategy's wrapping (DDP, FSDP, pipeline stages, DTensor) sees the same modules."""
+    for block in model.blocks.values():
+        block.compile()
+
+
+# ----------------------------------------------------------------------------
+# Data: a deterministic synthetic stream, or a file of token ids
+# ----------------------------------------------------------------------------
+
+
+class MarkovTokens(Dataset):
+    """Sample i depends only on (seed, i), never on rank or world size, so every strategy
+    trains on the same global batches. Tokens follow a fixed sparse Markov chain: each
+    token has 4 equally likely successors, so a model can learn it and the loss falls
+    from ln(vocab) towards ln(4) = 1.386."""
+
+    branching = 4
+
+    def __init__(self, vocab_size, seq_len, seed):
+        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+        rng = random.Random(f"markov:{seed}")
+        self.successors = [[rng.randrange(vocab_size) for _ in range(self.branching)] for _ in range(vocab_size)]
+
+    def __getitem__(self, i):
+        rng = random.Random(f"{self.seed}:{i}")
+        choices = rng.getrandbits(2 * (self.seq_len + 1))  # 2 bits pick 1 of 4 successors
+        token = rng.randrange(self.vocab_size)
+        tokens = []
+        for _ in range(self.seq_len + 1):
+            tokens.append(token)
+            token = self.successors[token][choices & 3]
+            choices >>= 2
+        t = torch.tensor(tokens)
+        return t[:-1], t[1:]
+
+
+class TokenFile(Dataset):
+    """A flat binary file of uint16 token ids (nanoGPT's train.bin). Sample i is the window
+    at an offset drawn from (seed, i)."""
+
+    def __init__(self, path, vocab_size, seq_len, seed):
+        self.path, self.vocab_size, self.seq_len, self.seed = path, vocab_size, seq_len, seed
+        self.n_tokens = os.path.getsize(path) // 2
+        check(self.n_tokens > seq_len + 1, f"--data {path} holds {self.n_tokens} tokens, fewer than --seq-len + 2")
+        self.fd = None
+
+    def __getitem__(self, i):
+        if self.fd is None:  # opened lazily, once per DataLoader worker
+            self.fd = os.open(self.path, os.O_RDONLY)
+        start = random.Random(f"{self.seed}:{i}").randrange(self.n_tokens - self.seq_len - 1)
+        raw = os.pread(self.fd, 2 * (self.seq_len + 1), 2 * start)
+        t = torch.frombuffer(bytearray(raw), dtype=torch.uint16).long()
+        if int(t.max()) >= self.vocab_size:
+            raise ValueError(f"{self.path} holds token id {int(t.max())} >= vocab size {self.vocab_size}; set --vocab-size")
+        return t[:-1], t[1:]
+
+
+class StepSampler(Sampler):
+    """Step s's global batch is samples [s·G, (s+1)·G); data-parallel rank r of D takes the
+    r-th contiguous G/D of them. Starting at `start_step` is how a resumed run picks up
+    exactly where the checkpoint left off."""
+
+    def __init__(self, global_batch_size, dp_rank, dp_size, start_step):
+        self.global_batch_size, self.dp_rank, self.dp_size, self.start_step = global_batch_size, dp_rank, dp_size, start_step
+
+    def __iter__(self):
+        local = self.global_batch_size // self.dp_size
+        step = self.start_step
+        while True:
+            first = step * self.global_batch_size + self.dp_rank * local
+            yield from range(first, first + local)
+            step += 1
+
+
+def make_batches(args, cfg, device, batch_size, dp_rank=0, dp_size=1, start_step=0):
+    """An endless iterator of (inputs, targets) on `device`, `batch_size` samples each."""
+    if args.data:
+        dataset = TokenFile(args.data, cfg.vocab_size, args.seq_len, args.seed)
+    else:
+        dataset = MarkovTokens(cfg.vocab_size, args.seq_len, args.seed)
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=StepSampler(args.global_batch_size, dp_rank, dp_size, start_step),
+        num_workers=args.num_workers,
+        pin_memory=device.type == "cuda",  # page-locked host memory: faster, async copies
+        # Kept for the article's advice; this loader streams without epochs, so its
+        # workers live for the whole run either way.
+        persistent_workers=args.num_workers > 0,
+    )
+    return ((x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in loader)
+
+
+# ----------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """--help and usage errors from rank 0 only, instead of once per process."""
+
+    def _print_message(self, message, file=None):
+        if IS_MAIN:
+            super()._print_message(message, file)
+
+
+def base_parser(doc):
+    """The arguments every script shares; a script adds its own and calls parse_args()."""
+    p = _Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", choices=PRESETS, default="tiny", help="size preset (default: tiny, the CPU/test size; 2.5b is the article's model)")
+    g.add_argument("--vocab-size", type=int, help="override the preset's vocabulary (needed when --data holds larger token ids)")
+    g.add_argument("--seq-len", type=int, help="tokens per sample (default: the preset's context length)")
+    g.add_argument("--data", metavar="FILE", help="flat binary file of uint16 token ids, as nanoGPT's train.bin (default: synthetic Markov data)")
+    g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes per rank (default: 2; 0 loads in the training process)")
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=20, help="optimizer steps (default: 20)")
+    g.add_argument("--global-batch-size", type=int, default=8, help="samples per optimizer step, summed over all ranks and micro-steps (default: 8)")
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step on each data-parallel rank (default: 1)")
+    g.add_argument("--lr", type=float, help="peak learning rate (default: the preset's, 1.6e-4 for 2.5b)")
+    g.add_argument("--lr-warmup-steps", type=int, default=2, help="linear warm-up steps before cosine decay to lr/10 (default: 2)")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices (default: 0.1)")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this; 0 disables (default: 1.0)")
+    g.add_argument("--seed", type=int, default=0, help="seed for weights and data (default: 0)")
+    g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="compute dtype under autocast; weights and optimizer stay fp32 (default: bf16 on GPUs that have it, else fp32)")
+    g.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward instead of storing its activations")
+    g.add_argument("--compile", action="store_true", help="torch.compile each Transformer block")
+    g = p.add_argument_group("system")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA with NCCL where there is a GPU, else CPU with gloo")
+    g.add_argument("--timeout", type=float, default=600, help="seconds a collective waits for a peer before the job fails (default: 600)")
+    g = p.add_argument_group("output")
+    g.add_argument("--log-every", type=int, default=1, help="print a step line every N steps (default: 1)")
+    g.add_argument("--timing-warmup-steps", type=int, default=3, help="first steps left out of throughput figures (default: 3)")
+    g.add_argument("--profile", metavar="DIR", help="trace a few steps with torch.profiler into DIR and print the op table")
+    g.add_argument("--results", metavar="FILE", help="append one JSON line with this run's figures to FILE")
+    g.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here, and resume from the newest complete one found")
+    g.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (default: 0, only on SIGTERM)")
+    return p
+
+
+def model_config(args):
+    """The preset with the command line's overrides; fills in args.seq_len and args.lr."""
+    cfg = PRESETS[args.model]
+    if args.vocab_size:
+        cfg = replace(cfg, vocab_size=args.vocab_size)
+    args.seq_len = args.seq_len or cfg.max_seq_len
+    args.lr = args.lr or cfg.lr
+    check(args.seq_len <= cfg.max_seq_len, f"--seq-len {args.seq_len} exceeds the {args.model} preset's context of {cfg.max_seq_len}")
+    return cfg
+
+
+# ----------------------------------------------------------------------------
+# Errors: one clear line on rank 0, not a traceback from every rank
+# ----------------------------------------------------------------------------
+
+
+class ConfigError(Exception):
+    """A configuration the job cannot run. Every rank reaches the same verdict, so every
+    rank raises it and exits; only rank 0 says why."""
+
+
+class NonFiniteLoss(Exception):
+    pass
+
+
+def check(ok, message):
+    if not ok:
+        raise ConfigError(message)
+
+
+def run(main):
+    """Run a script's main() and turn the failures a user can act on into one line."""
+    code = 0
+    try:
+        main()
+    except ConfigError as e:
+        code = 2
+        if IS_MAIN:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+    except NonFiniteLoss as e:
+        code = 3
+        if IS_MAIN:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+    except dist.DistError as e:  # a peer died, or stalled past --timeout
+        code = 1
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: rank {RANK}: communication failed ({first}); a peer died or stalled past --timeout", file=sys.stderr, flush=True)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.exit(code)
+
+
+# ----------------------------------------------------------------------------
+# Processes and devices
+# ----------------------------------------------------------------------------
+
+
+@dataclass
+class Env:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def init_distributed(args):
+    """Bind this process to its device and join the process group (torchrun's env://).
+    Without torchrun it runs as a world of one. Also settles args.dtype."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        check(torch.cuda.is_available(), "--device cuda, but torch sees no GPU")
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        check(local_ranks <= torch.cuda.device_count(), f"{local_ranks} processes on this node but {torch.cuda.device_count()} GPU(s): NCCL needs one GPU per rank (lower --nproc_per_node, or --device cpu)")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        torch.set_float32_matmul_precision("high")  # fp32 matmuls on tensor cores (TF32)
+    else:
+        device = torch.device("cpu")
+    if args.dtype is None:
+        args.dtype = "bf16" if use_cuda and torch.cuda.is_bf16_supported() else "fp32"
+    check(not (args.dtype == "fp16" and not use_cuda), "--dtype fp16 needs a GPU; use fp32 or bf16 on the CPU")
+    timeout = timedelta(seconds=args.timeout)
+    backend = "nccl" if use_cuda else "gloo"
+    if "RANK" in os.environ:
+        # device_id binds NCCL's communicator to this GPU at once (no guessing, no hang).
+        dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return Env(dist.get_rank(), world_size, local_rank, device)
+
+
+def make_mesh(env, **dims):
+    """The one place a script's DeviceMesh is built: make_mesh(env, pp=2, dp=4). The last
+    dimension holds consecutive ranks, which torchrun places on the same node."""
+    shape = tuple(dims.values())
+    check(math.prod(shape) == env.world_size, f"mesh {' x '.join(f'{k}={v}' for k, v in dims.items())} needs {math.prod(shape)} ranks, but the world has {env.world_size}")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(env.device.type, shape, mesh_dim_names=tuple(dims))
+
+
+def autocast(args, device):
+    if args.dtype == "fp32":
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float16)
+
+
+def refuse_fp16(args, why):
+    check(args.dtype != "fp16", f"--dtype fp16 is not supported here: {why}; use bf16 (or fp32 on GPUs without bf16)")
+
+
+# ----------------------------------------------------------------------------
+# Optimizer, learning rate, gradient clipping
+# ----------------------------------------------------------------------------
+
+
+def make_optimizer(params, args, device):
+    """AdamW with decay on matrices only (not norms); fused into one kernel on CUDA."""
+    params = list(params)
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
+def set_lr(optimizer, step, args):
+    """Linear warm-up, then cosine decay to lr/10 at the last step (the article's
+    large-batch advice). A pure function of the step, so resuming needs only the step."""
+    if step < args.lr_warmup_steps:
+        lr = args.lr * (step + 1) / args.lr_warmup_steps
+    else:
+        progress = (step - args.lr_warmup_steps) / max(1, args.steps - args.lr_warmup_steps)
+        lr = args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def _is_dtensor(t):
+    # Importing DTensor costs a second per process; one that never made a DTensor need not.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def clip_grad_norm_(params, max_norm, group=None):
+    """Clip by the norm over the WHOLE model and return that norm. DTensor gradients (FSDP,
+    TP) are reduced over their mesh; `group` sums the squares over ranks that hold
+    different parts (pipeline stages), so every rank clips by the same global norm."""
+    params = [p for p in params if p.grad is not None]
+    total_sq = torch.zeros((), device=params[0].grad.device if params else "cpu")
+    for is_dtensor in (False, True):
+        grads = [p.grad for p in params if _is_dtensor(p.grad) == is_dtensor]
+        if grads:
+            norm = torch.nn.utils.get_total_norm(grads)
+            total_sq = total_sq + (norm.full_tensor() if is_dtensor else norm).float() ** 2
+    if group is not None:
+        dist.all_reduce(total_sq, group=group)
+    total = total_sq.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+# ----------------------------------------------------------------------------
+# Metrics, the step log and the results record
+# ----------------------------------------------------------------------------
+
+# Dense (no sparsity) tensor-core peaks per GPU from the vendors' datasheets, in TFLOP/s.
+# fp32 runs as TF32 where the GPU has it (init_distributed asks for that). First match wins.
+PEAK_TFLOPS = [
+    ("H200 NVL", {"bf16": 835, "fp16": 835, "fp32": 418}),
+    ("H200", {"bf16": 989, "fp16": 989, "fp32": 495}),
+    ("H100 NVL", {"bf16": 835, "fp16": 835, "fp32": 418}),
+    ("H100 PCIe", {"bf16": 756, "fp16": 756, "fp32": 378}),
+    ("H100", {"bf16": 989, "fp16": 989, "fp32": 495}),
+    ("A100", {"bf16": 312, "fp16": 312, "fp32": 156}),
+    ("V100", {"fp16": 125, "fp32": 15.7}),
+]
+
+
+def peak_tflops(device, dtype):
+    """(peak TFLOP/s, which GPU entry) for MFU, or (None, why not)."""
+    if device.type != "cuda":
+        return None, "no GPU"
+    name = torch.cuda.get_device_name(device)
+    for key, peaks in PEAK_TFLOPS:
+        if key in name:
+            return peaks.get(dtype), f"{key} {dtype} dense {peaks.get(dtype)} TFLOP/s"
+    return None, f"{name} is not in common.PEAK_TFLOPS"
+
+
+def peak_memory(device):
+    """(GiB, % of the device) this process held at its peak: the CUDA caching allocator's
+    reserve on a GPU, resident memory against physical RAM on the CPU."""
+    if device.type == "cuda":
+        used = torch.cuda.max_memory_reserved(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        used = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return used / 2**30, 100 * used / total
+
+
+class TrainLog:
+    """Per-step bookkeeping, the same on every rank: agree on the global loss and on
+    whether to stop, time the step, print the step line, write the results record."""
+
+    def __init__(self, args, env, cfg, strategy, start_step=0):
+        self.args, self.env, self.cfg, self.strategy = args, env, cfg, strategy
+        self.start_step = start_step
+        self.losses, self.grad_norms, self.step_times = [], [], []
+        self.flops_per_step = flops_per_token(cfg, args.seq_len) * args.global_batch_size * args.seq_len
+        self.peak, self.peak_source = peak_tflops(env.device, args.dtype)
+        self.stop_requested = False
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        log(f"{strategy} | world {env.world_size} on {env.device.type} | model {args.model}: {count_params(cfg) / 1e6:.1f}M parameters | "
+            f"global batch {args.global_batch_size} x {args.seq_len} tokens | {args.dtype} | MFU peak: {self.peak_source}")
+        self.last = time.perf_counter()
+
+    def _on_sigterm(self, signum, frame):
+        # A scheduler's time limit: finish this step, checkpoint, exit cleanly.
+        self.stop_requested = True
+
+    def end_step(self, step, loss, grad_norm, lr):
+        """`loss` is this rank's share of the global-batch mean loss (the shares of all ranks
+        sum to it). Returns True when a SIGTERM asks the job to stop after this step."""
+        fault_point("step", step + 1)
+        if fault_point("loss", step + 1):
+            loss = loss * float("nan")
+        # One all-reduce agrees on the loss and on the stop request.
+        packed = torch.stack([loss.detach().float().reshape(()), torch.tensor(float(self.stop_requested), device=loss.device)])
+        dist.all_reduce(packed)
+        loss_value, stop = packed.tolist()
+        grad_norm = float(grad_norm)
+        now = time.perf_counter()
+        self.step_times.append(now - self.last)
+        self.last = now
+        if not math.isfinite(loss_value):
+            raise NonFiniteLoss(f"loss is {loss_value} at step {step + 1}; lower --lr, keep --grad-clip on, or use bf16 rather than fp16")
+        self.losses.append(loss_value)
+        self.grad_norms.append(grad_norm)
+        if (step + 1) % self.args.log_every == 0 or step + 1 == self.args.steps:
+            dt = self.step_times[-1]
+            samples = self.args.global_batch_size / dt
+            mfu = self._mfu(dt)
+            mem_gib, mem_pct = peak_memory(self.env.device)
+            log(f"step {step + 1:>5}/{self.args.steps} | loss {loss_value:.4f} | grad norm {grad_norm:.3f} | lr {lr:.2e} | "
+                f"{dt * 1000:7.1f} ms | {samples:7.2f} samples/s | {samples * self.args.seq_len:9.0f} tok/s | "
+                f"MFU {'n/a' if mfu is None else f'{mfu:.1f}%'} | mem {mem_gib:.2f} GiB ({mem_pct:.0f}%)")
+        return stop > 0
+
+    def _mfu(self, seconds):
+        if self.peak is None or seconds <= 0:
+            return None
+        return 100 * self.flops_per_step / seconds / (self.peak * 1e12 * self.env.world_size)
+
+    def throughput(self):
+        """Samples/s over the steps after the timing warm-up (at least the last step)."""
+        skip = min(self.args.timing_warmup_steps, len(self.step_times) - 1)
+        timed = self.step_times[skip:]
+        seconds = sum(timed) / len(timed) if timed else float("nan")
+        return self.args.global_batch_size / seconds, seconds
+
+    def finish(self, **extra):
+        """Summary line and, with --results, one JSON line from rank 0. Every rank must call
+        it: peak memory is the largest over ranks."""
+        mem = torch.tensor(peak_memory(self.env.device), device=self.env.device)
+        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        mem_gib, mem_pct = mem.tolist()
+        samples_per_sec, seconds = self.throughput()
+        mfu = self._mfu(seconds)
+        record = {
+            "strategy": self.strategy,
+            "world_size": self.env.world_size,
+            "device": self.env.device.type,
+            "gpu_name": torch.cuda.get_device_name(self.env.device) if self.env.device.type == "cuda" else None,
+            "model": self.args.model,
+            "params": count_params(self.cfg),
+            "global_batch_size": self.args.global_batch_size,
+            "seq_len": self.args.seq_len,
+            "steps": self.args.steps,
+            "start_step": self.start_step,
+            "losses": self.losses,
+            "grad_norms": self.grad_norms,
+            "samples_per_sec": samples_per_sec,
+            "tokens_per_sec": samples_per_sec * self.args.seq_len,
+            "mfu": mfu,
+            "peak_mem_gib": mem_gib,
+            "mem_pct": mem_pct,
+            "comm_pct": None,
+            "torch_version": torch.__version__,
+            **extra,
+            "config": vars(self.args),
+        }
+        log(f"done | {samples_per_sec:.2f} samples/s | {record['tokens_per_sec']:.0f} tok/s | "
+            f"MFU {'n/a' if mfu is None else f'{mfu:.1f}%'} | peak mem {mem_gib:.2f} GiB ({mem_pct:.0f}%)"
+            + "".join(f" | {k} {v:.1f}" for k, v in extra.items() if isinstance(v, float)))
+        if IS_MAIN and self.args.results:
+            with open(self.args.results, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        return record
+
+
+class Profiler:
+    """--profile DIR: a torch.profiler trace of 3 steps after the timing warm-up, one
+    Chrome trace per rank, and on rank 0 the op table the article reads its figures from."""
+
+    def __init__(self, args, env):
+        self.prof = None
+        if not args.profile:
+            return
+        os.makedirs(args.profile, exist_ok=True)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if env.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        sort_by = "self_cuda_time_total" if env.device.type == "cuda" else "self_cpu_time_total"
+
+        def done(prof):
+            prof.export_chrome_trace(os.path.join(args.profile, f"trace_rank{env.rank}.json"))
+            log(prof.key_averages().table(sort_by=sort_by, row_limit=25))
+
+        schedule = torch.profiler.schedule(wait=args.timing_warmup_steps, warmup=1, active=3, repeat=1)
+        self.prof = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=done)
+
+    def __enter__(self):
+        if self.prof:
+            self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.prof:
+            self.prof.__exit__(*exc)
+
+    def step(self):
+        if self.prof:
+            self.prof.step()
+
+
+# ----------------------------------------------------------------------------
+# Checkpoints (torch.distributed.checkpoint) and fault injection
+# ----------------------------------------------------------------------------
+
+
+class Checkpointer:
+    """Sharded checkpoints: every rank writes its own part with torch.distributed.checkpoint.
+
+    A checkpoint is written to step_N.partial/ and renamed to step_N/ only after every rank
+    has finished, so a crash mid-save leaves the previous checkpoint the newest complete one.
+    `model` must carry global parameter names (blocks keyed by global index), so ranks
+    holding different parts never write the same name; optimizer state is keyed by those
+    names too, which lets DCP reshard to another world size. Step and loss scale are stored
+    as tensors, but DCP reads its metadata with pickle: a checkpoint is trusted input.
+    """
+
+    def __init__(self, args, model, optimizer, scaler=None):
+        self.dir, self.every = args.checkpoint_dir, args.checkpoint_every
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        if self.dir:  # imported only when used: DCP takes a second to load
+            import torch.distributed.checkpoint as dcp
+            import torch.distributed.checkpoint.state_dict as sd
+
+            self.dcp, self.sd = dcp, sd
+            self.options = sd.StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def _state(self, step):
+        extra = {"step": torch.tensor(step)}
+        if self.scaler is not None:
+            extra |= {k: torch.tensor(v) for k, v in self.scaler.state_dict().items()}
+        return {
+            "model": self.sd.get_model_state_dict(self.model),
+            "optim": self.sd.get_optimizer_state_dict(self.model, self.optimizer, options=self.options),
+            "extra": extra,
+        }
+
+    def latest(self):
+        """The newest complete checkpoint, or None."""
+        if not self.dir or not os.path.isdir(self.dir):
+            return None
+        steps = [int(m.group(1)) for d in os.listdir(self.dir) if (m := re.fullmatch(r"step_(\d+)", d))]
+        return os.path.join(self.dir, f"step_{max(steps):08d}") if steps else None
+
+    def load(self):
+        """Restore the newest complete checkpoint; return the step to continue from (0 if none)."""
+        path = self.latest()
+        if path is None:
+            return 0
+        state = self._state(0)
+        self.dcp.load(state, checkpoint_id=path)
+        self.sd.set_model_state_dict(self.model, state["model"])
+        self.sd.set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=self.options)
+        if self.scaler is not None:
+            self.scaler.load_state_dict({k: v.item() for k, v in state["extra"].items() if k != "step"})
+        step = int(state["extra"]["step"])
+        log(f"resumed from {path} at step {step}")
+        return step
+
+    def maybe_save(self, step, force=False):
+        """Save after `step` optimizer steps if it is due (or forced, e.g. by SIGTERM)."""
+        if not self.dir or not (force or (self.every and step % self.every == 0)):
+            return
+        final = os.path.join(self.dir, f"step_{step:08d}")
+        if os.path.isdir(final):
+            return
+        t0 = time.perf_counter()
+        self.dcp.save(self._state(step), checkpoint_id=final + ".partial")
+        fault_point("save", step)
+        dist.barrier()  # every rank's part is on disk
+        if IS_MAIN:
+            os.rename(final + ".partial", final)  # the commit: from now on resume sees it
+        dist.barrier()
+        log(f"saved {final} in {time.perf_counter() - t0:.1f} s")
+
+
+# Where each injectable fault strikes; see fault_point.
+_FAULT_PLACES = {"kill": "step", "hang": "step", "nan": "loss", "kill-in-save": "save"}
+
+
+def fault_point(where, step):
+    """Fault injection for the tests, from the environment: TRAIN_FAULT=KIND:STEP[:RANK].
+    kill: SIGKILL during STEP; hang: stop answering during STEP; nan: the loss of STEP
+    becomes NaN; kill-in-save: SIGKILL after writing the checkpoint taken after STEP,
+    before it is committed. STEP counts from 1, as in the log; RANK defaults to every
+    rank. Only on a job's first attempt, so an elastic restart runs clean."""
+    spec = os.environ.get("TRAIN_FAULT")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return False
+    kind, at, *rank = spec.split(":")
+    if _FAULT_PLACES.get(kind) != where or int(at) != step or (rank and int(rank[0]) != RANK):
+        return False
+    print(f"fault injection: {kind} on rank {RANK} at step {step}", file=sys.stderr, flush=True)
+    if kind in ("kill", "kill-in-save"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "hang":
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a hung peer still dies when torchrun ends the job
+        while True:
+            time.sleep(60)
+    return True

@@ -1,0 +1,158 @@
+"""Data parallel training with DistributedDataParallel, and the single-GPU baseline.
+
+Every rank holds a full replica of the model and trains on its own slice of each global
+batch. During backward, DDP averages the gradients across ranks with ring all-reduces,
+bucket by bucket, overlapped with the rest of the backward pass, so every replica takes
+the same optimizer step. At world size 1 the model is not wrapped at all: that run is the
+baseline every other strategy's speed-up is divided by.
+
+Launch:
+    python ddp_train.py                                          # one process (CPU or one GPU)
+    torchrun --standalone --nproc_per_node=8 ddp_train.py --model 2.5b
+    # two nodes of 8 GPUs: run on each node
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d \\
+        --rdzv_endpoint=$HEAD_NODE:29500 --rdzv_id=job1 ddp_train.py --model 2.5b
+"""
+
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import common
+
+
+def bf16_compress(state, bucket):
+    # default_hooks.bf16_compress_hook under another name: DDP refuses that name unless it
+    # finds NCCL, but gloo reduces bf16 just as well.
+    return default_hooks.bf16_compress_hook(state, bucket)
+
+
+def powersgd_bucket_by_bucket(state, bucket):
+    # PowerSGD chains all-reduces in future callbacks, which gloo runs on its own threads:
+    # two buckets' chains can then interleave in a different order on each rank, and gloo
+    # fails with a size mismatch. Finishing each bucket before the next keeps the order.
+    future = powerSGD_hook.powerSGD_hook(state, bucket)
+    future.wait()
+    return future
+
+
+def register_comm_hook(model, args):
+    """Compress gradients on the wire (the article's communication-hook advice)."""
+    if args.comm_hook == "fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif args.comm_hook == "bf16":
+        model.register_comm_hook(None, bf16_compress)
+    elif args.comm_hook == "powersgd":
+        # Rank-4 low-rank approximation with error feedback; plain all-reduce for the first
+        # start_powerSGD_iter synchronised steps, while gradients change fastest.
+        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=args.powersgd_start_iter)
+        gloo = dist.get_backend() == "gloo"
+        model.register_comm_hook(state, powersgd_bucket_by_bucket if gloo else powerSGD_hook.powerSGD_hook)
+
+
+def forward_backward(model, x, y, args, device, scaler, sync=True):
+    """One micro-step. Forward AND backward sit under no_sync(): DDP decides during the
+    forward pass whether the coming backward all-reduces."""
+    with nullcontext() if sync else model.no_sync():
+        with common.autocast(args, device):
+            loss = common.loss_fn(model(x), y) / args.grad_accum
+        scaler.scale(loss).backward()
+    return loss.detach()
+
+
+def measure_communication(model, batches, args, env, scaler, n=3):
+    """Exposed communication, measured in this run instead of read off a profiler by hand:
+    n forward+backward passes with DDP's all-reduce against n under no_sync() (compute
+    only). The difference is the communication that backward did not hide. Beside it, the
+    bus bandwidth of a separately timed all-reduce of the whole gradient (fp32)."""
+
+    def timed(fn):
+        torch.cuda.synchronize() if env.device.type == "cuda" else None
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize() if env.device.type == "cuda" else None
+        return (time.perf_counter() - start) / n
+
+    def step(sync):
+        x, y = next(batches)
+        forward_backward(model, x, y, args, env.device, scaler, sync)
+        model.zero_grad(set_to_none=True)
+
+    synced = timed(lambda: step(True))
+    compute = timed(lambda: step(False))
+    grads = torch.empty(sum(p.numel() for p in model.parameters()), device=env.device)
+    dist.all_reduce(grads)  # warm-up
+    seconds = timed(lambda: dist.all_reduce(grads))
+    n_ranks = env.world_size
+    bus_gbps = grads.numel() * 4 * 2 * (n_ranks - 1) / n_ranks / seconds / 1e9
+    return max(0.0, 100 * (1 - compute / synced)), bus_gbps
+
+
+def main():
+    parser = common.base_parser(__doc__)
+    parser.add_argument("--comm-hook", choices=["none", "fp16", "bf16", "powersgd"], default="none",
+                        help="compress gradients before the all-reduce (default: none); all work on NCCL and gloo")
+    parser.add_argument("--powersgd-start-iter", type=int, default=10,
+                        help="with --comm-hook powersgd: plain all-reduce for this many optimizer steps first; at least 2 (default: 10)")
+    args = parser.parse_args()
+    cfg = common.model_config(args)
+    env = common.init_distributed(args)
+    common.check(args.global_batch_size % (env.world_size * args.grad_accum) == 0,
+                 f"--global-batch-size {args.global_batch_size} must divide evenly over {env.world_size} ranks x --grad-accum {args.grad_accum}")
+    common.check(args.comm_hook == "none" or env.world_size > 1, "--comm-hook needs more than one rank: at world size 1 nothing is communicated")
+    common.check(args.comm_hook != "powersgd" or args.powersgd_start_iter >= 2, "--powersgd-start-iter must be at least 2 (PowerSGD's error feedback needs it)")
+
+    # Every rank builds the same full model from the same seed.
+    raw_model = common.build_model(cfg, env.device, args.seed)
+    raw_model.activation_checkpointing = args.activation_checkpointing
+    if args.compile:
+        common.compile_blocks(raw_model)
+    model = raw_model
+    if env.world_size > 1:
+        model = DDP(raw_model, device_ids=[env.local_rank] if env.device.type == "cuda" else None, gradient_as_bucket_view=True)
+        register_comm_hook(model, args)
+
+    optimizer = common.make_optimizer(model.parameters(), args, env.device)
+    scaler = torch.amp.GradScaler(env.device.type, enabled=args.dtype == "fp16")  # a no-op unless fp16
+    ckpt = common.Checkpointer(args, raw_model, optimizer, scaler if scaler.is_enabled() else None)
+    start_step = ckpt.load()
+
+    micro_batch = args.global_batch_size // (env.world_size * args.grad_accum)
+    batches = common.make_batches(args, cfg, env.device, micro_batch, env.rank, env.world_size, start_step)
+    tlog = common.TrainLog(args, env, cfg, "ddp", start_step)
+    with common.Profiler(args, env) as prof:
+        for step in range(start_step, args.steps):
+            lr = common.set_lr(optimizer, step, args)
+            loss = torch.zeros((), device=env.device)
+            for micro in range(args.grad_accum):
+                x, y = next(batches)
+                # Only the last micro-step all-reduces: accumulation saves communication.
+                last = micro == args.grad_accum - 1
+                loss += forward_backward(model, x, y, args, env.device, scaler, sync=last or env.world_size == 1)
+            scaler.unscale_(optimizer)
+            grad_norm = common.clip_grad_norm_(model.parameters(), args.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            # This rank's loss is the mean over its G/world samples; the shares sum to the global mean.
+            stop = tlog.end_step(step, loss / env.world_size, grad_norm, lr)
+            ckpt.maybe_save(step + 1, force=stop)
+            prof.step()
+            if stop:
+                common.log(f"SIGTERM: stopped after step {step + 1}")
+                break
+
+    extra = {}
+    if env.world_size > 1:
+        comm_pct, bus_gbps = measure_communication(model, batches, args, env, scaler)
+        extra = {"comm_pct": comm_pct, "allreduce_busbw_gbps": bus_gbps}
+    tlog.finish(**extra)
+
+
+if __name__ == "__main__":
+    common.run(main)

@@ -1,0 +1,62 @@
+"""Launch the strategy scripts the way a user does (torchrun on CPU/gloo) and read back
+the JSON results line each run writes. Every parity test compares against one cached
+single-process run of ddp_train.py on the same global batch."""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Tiny model, few steps, no DataLoader workers: fast on 2 CPU cores, and fp32 so that
+# parallel and single-process runs can agree to ~1e-5.
+TINY = ["--model", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--steps", "4",
+        "--num-workers", "0", "--device", "cpu", "--dtype", "fp32", "--timing-warmup-steps", "1"]
+
+PARITY_ATOL = 1e-5
+
+
+def run_script(script, nproc=1, args=(), env=None, timeout=120, torchrun=True):
+    """Run a script; return (CompletedProcess, results records). Without torchrun it runs
+    as a plain `python script.py`, the world-of-one path."""
+    with tempfile.TemporaryDirectory() as tmp:
+        results = os.path.join(tmp, "results.jsonl")
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if torchrun else [sys.executable]
+        cmd = launcher + [str(ROOT / script), *TINY, *map(str, args), "--results", results]
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+        records = [json.loads(line) for line in open(results)] if os.path.exists(results) else []
+    return proc, records
+
+
+@functools.lru_cache(maxsize=None)
+def launch(script, nproc=1, *args):
+    """Run a script that must succeed under torchrun; return its results record. Cached:
+    tests asking for the same run share one launch (each costs seconds of imports)."""
+    proc, records = run_script(script, nproc, args)
+    assert proc.returncode == 0, f"{script} x{nproc} {args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert len(records) == 1, f"expected one results line, got {len(records)}"
+    return records[0]
+
+
+@functools.lru_cache(maxsize=None)
+def reference(*args):
+    """The single-process baseline (ddp_train.py, world size 1, no torchrun) for these
+    arguments, run once per test session."""
+    proc, records = run_script("ddp_train.py", 1, args, torchrun=False)
+    assert proc.returncode == 0, f"reference {args} failed:\n{proc.stderr[-5000:]}"
+    return records[0]
+
+
+def assert_losses_match(run, ref, atol=PARITY_ATOL):
+    assert len(run["losses"]) == len(ref["losses"]), (run["losses"], ref["losses"])
+    diffs = [abs(a - b) for a, b in zip(run["losses"], ref["losses"])]
+    assert max(diffs) <= atol, f"per-step losses differ by up to {max(diffs):.2e} (atol {atol:.0e}):\n  run {run['losses']}\n  ref {ref['losses']}"
+
+
+def loss_diffs(run, ref):
+    return [abs(a - b) for a, b in zip(run["losses"], ref["losses"])]

@@ -1,0 +1,54 @@
+"""DDP must compute the same training run as one process on the same global batch."""
+
+import math
+
+import pytest
+from harness import PARITY_ATOL, assert_losses_match, launch, loss_diffs, reference
+
+REQUIRED_FIELDS = {
+    "strategy": str, "world_size": int, "device": str, "gpu_name": type(None), "model": str, "params": int,
+    "global_batch_size": int, "seq_len": int, "steps": int, "losses": list, "samples_per_sec": float,
+    "tokens_per_sec": float, "mfu": type(None), "peak_mem_gib": float, "mem_pct": float,
+    "comm_pct": float, "torch_version": str, "config": dict,
+}
+
+
+@pytest.mark.parametrize("extra", [
+    [],
+    ["--grad-accum", "2"],
+    ["--activation-checkpointing"],
+], ids=["plain", "grad-accum", "activation-checkpointing"])
+def test_ddp_two_ranks_match_single_process(extra):
+    assert_losses_match(launch("ddp_train.py", 2, *extra), reference())
+
+
+def test_ddp_clipping_matches_when_it_acts():
+    clip = ["--grad-clip", "0.3"]
+    ref = reference(*clip)
+    assert min(ref["grad_norms"]) > 0.3, "the clip threshold must be below every step's gradient norm"
+    assert max(loss_diffs(ref, reference())[1:]) > 1e-4, "a tighter clip should change the run"
+    assert_losses_match(launch("ddp_train.py", 2, *clip), ref)
+
+
+@pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd"])
+def test_comm_hook_is_close_but_not_exact(hook):
+    extra = ["--comm-hook", hook]
+    if hook == "powersgd":
+        extra += ["--powersgd-start-iter", "2"]  # plain all-reduce for steps 1-2, compressed after
+    run, ref = launch("ddp_train.py", 2, *extra), reference()
+    diffs = loss_diffs(run, ref)
+    exact_steps = 3 if hook == "powersgd" else 1  # a step's loss shows the previous steps' updates
+    assert max(diffs[:exact_steps]) <= PARITY_ATOL, diffs
+    assert 1e-6 < max(diffs[exact_steps:]) < 0.05, f"{hook}: compression should perturb the run slightly: {diffs}"
+
+
+def test_results_line_has_every_field():
+    record = launch("ddp_train.py", 2)
+    for field, kind in REQUIRED_FIELDS.items():
+        assert isinstance(record[field], kind), f"{field} = {record[field]!r} is not {kind.__name__}"
+    assert record["strategy"] == "ddp" and record["world_size"] == 2 and record["device"] == "cpu"
+    assert len(record["losses"]) == record["steps"] == 4
+    assert all(math.isfinite(x) for x in record["losses"])
+    assert record["samples_per_sec"] > 0 and record["tokens_per_sec"] == pytest.approx(record["samples_per_sec"] * record["seq_len"])
+    assert 0 <= record["comm_pct"] <= 100 and record["peak_mem_gib"] > 0
+    assert record["config"]["global_batch_size"] == 8
