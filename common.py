@@ -454,6 +454,10 @@ def autocast(args, device):
     return torch.autocast(device.type, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float16)
 
 
+def torch_version():
+    return tuple(int(part) for part in torch.__version__.split(".")[:2])
+
+
 def refuse_fp16(args, why):
     check(args.dtype != "fp16", f"--dtype fp16 is not supported here: {why}; use bf16 (or fp32 on GPUs without bf16)")
 
@@ -551,6 +555,14 @@ def peak_memory(device):
     return used / 2**30, 100 * used / total
 
 
+def gather_floats(value, device):
+    """Every rank's value of a float, in rank order (a collective)."""
+    mine = torch.tensor([float(value)], device=device)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [round(t.item(), 2) for t in everyone]
+
+
 class TrainLog:
     """Per-step bookkeeping, the same on every rank: agree on the global loss and on
     whether to stop, time the step, print the step line, write the results record."""
@@ -597,6 +609,8 @@ class TrainLog:
             log(f"step {step + 1:>5}/{self.args.steps} | loss {loss_value:.4f} | grad norm {grad_norm:.3f} | lr {lr:.2e} | "
                 f"{dt * 1000:7.1f} ms | {samples:7.2f} samples/s | {samples * self.args.seq_len:9.0f} tok/s | "
                 f"MFU {'n/a' if mfu is None else f'{mfu:.1f}%'} | mem {mem_gib:.2f} GiB ({mem_pct:.0f}%)")
+        if stop > 0:
+            log(f"SIGTERM: stopping after step {step + 1}")
         return stop > 0
 
     def _mfu(self, seconds):
@@ -604,10 +618,13 @@ class TrainLog:
             return None
         return 100 * self.flops_per_step / seconds / (self.peak * 1e12 * self.env.world_size)
 
+    def warmup_steps(self):
+        """How many of this run's first steps throughput figures leave out (never all)."""
+        return max(0, min(self.args.timing_warmup_steps, len(self.step_times) - 1))
+
     def throughput(self):
         """Samples/s over the steps after the timing warm-up (at least the last step)."""
-        skip = min(self.args.timing_warmup_steps, len(self.step_times) - 1)
-        timed = self.step_times[skip:]
+        timed = self.step_times[self.warmup_steps():]
         seconds = sum(timed) / len(timed) if timed else float("nan")
         return self.args.global_batch_size / seconds, seconds
 
@@ -785,3 +802,150 @@ def fault_point(where, step):
         while True:
             time.sleep(60)
     return True
+
+
+# ----------------------------------------------------------------------------
+# Pipeline helpers: layer splits (also model_parallel_train.py), stages, schedules and
+# their timing, shared by pipeline_train.py and hybrid_train.py
+# ----------------------------------------------------------------------------
+
+# --schedule name -> class in torch.distributed.pipelining.
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",  # all forwards, then all backwards
+    "1f1b": "Schedule1F1B",  # one forward, one backward: fewer activations alive
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",  # several stages per rank: smaller bubble
+    "zero-bubble": "ScheduleInterleavedZeroBubble",  # backward split into input and weight grads
+    "zbv": "ScheduleZBVZeroBubble",  # zero bubble, two stages per rank in a V
+}
+ZERO_BUBBLE = {"zero-bubble", "zbv"}
+
+
+def split_layers(n_layers, n_parts, split=None):
+    """Consecutive block ranges, one per part: even by default (earlier parts take the
+    remainder), or as given by `split`, a comma-separated count of blocks per part."""
+    if split:
+        counts = [int(c) for c in split.split(",")]
+        check(len(counts) == n_parts, f"--split {split} names {len(counts)} parts, but there are {n_parts}")
+        check(min(counts) > 0 and sum(counts) == n_layers, f"--split {split} must give every part at least one block and {n_layers} in all")
+    else:
+        check(n_parts <= n_layers, f"{n_parts} pipeline stages but only {n_layers} blocks: use fewer ranks or stages, or a deeper model")
+        counts = [n_layers // n_parts + (i < n_layers % n_parts) for i in range(n_parts)]
+    starts = [sum(counts[:i]) for i in range(n_parts)]
+    return [range(s, s + c) for s, c in zip(starts, counts)]
+
+
+def stages_of_rank(schedule, pp_rank, pp_size, stages_per_rank):
+    """Global indices of the stages a rank holds: loop schedules put stage s on rank
+    s % pp; the V schedule puts stages r and 2·pp-1-r on rank r, so the last stage sits
+    beside the first and the loss's gradient turns around without a transfer."""
+    if schedule == "zbv":
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank + k * pp_size for k in range(stages_per_rank)]
+
+
+def check_pipeline_args(args, pp_size):
+    """Stages per rank and schedule must fit each other; returns the number of stages."""
+    multi = args.schedule in ("interleaved-1f1b", "zero-bubble", "zbv")
+    if args.stages_per_rank is None:
+        args.stages_per_rank = 2 if multi else 1
+    check(multi or args.stages_per_rank == 1, f"--schedule {args.schedule} runs one stage per rank; use interleaved-1f1b or zero-bubble for --stages-per-rank {args.stages_per_rank}")
+    check(args.schedule != "zbv" or args.stages_per_rank == 2, "--schedule zbv places exactly 2 stages per rank")
+    # Seen with gloo: torch 2.11 fails ("Pair is not connected") where the V hands
+    # activations between a rank's own two stages; 2.13 runs it.
+    check(not (args.schedule == "zbv" and dist.get_backend() == "gloo" and torch_version() < (2, 13)),
+          f"--schedule zbv on gloo needs torch 2.13 or newer (this is {torch.__version__}): use NCCL or another schedule")
+    check(not multi or args.stages_per_rank >= 2, f"--schedule {args.schedule} needs --stages-per-rank of at least 2")
+    check(not (args.compile and args.schedule in ZERO_BUBBLE), f"--schedule {args.schedule} splits backward by hand, which compiled blocks do not support: drop --compile")
+    refuse_fp16(args, "the loss scaler's inf check would have to agree across pipeline stages")
+    return pp_size * args.stages_per_rank
+
+
+def build_stage_module(cfg, args, stage, n_stages, device):
+    """The blocks of one pipeline stage; the first stage also embeds, the last also holds
+    the final norm and head. Weights equal the whole model's at the same place."""
+    layers = split_layers(cfg.n_layers, n_stages, args.split)[stage]
+    module = build_model(cfg, device, args.seed, layers, embed=stage == 0, head=stage == n_stages - 1)
+    module.activation_checkpointing = args.activation_checkpointing
+    if args.compile:
+        compile_blocks(module)
+    return module
+
+
+def make_schedule(args, stages, n_microbatches, loss):
+    """Build the schedule once; its own rules on micro-batches come back as one line.
+    scale_grads=False: `loss` must already be normalised by the global batch, since the
+    schedule's own division by n_microbatches would run again at every grad-accum step."""
+    import torch.distributed.pipelining as pipelining
+
+    cls = getattr(pipelining, SCHEDULES[args.schedule])
+    try:
+        if len(stages) == 1 and args.schedule in ("gpipe", "1f1b"):
+            return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
+        return cls(stages, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
+    except (ValueError, RuntimeError, AssertionError) as e:
+        raise ConfigError(f"--schedule {args.schedule} cannot run {n_microbatches} micro-batches over {stages[0].num_stages} stages: {e}") from None
+
+
+def merged_stages(modules):
+    """This rank's stage modules under the whole model's parameter names (blocks keep
+    their global index), for checkpoints: stages on different ranks never share a name."""
+    merged = nn.Module()
+    merged.blocks = nn.ModuleDict({i: b for m in modules for i, b in m.blocks.items()})
+    for m in modules:
+        for name in ("tok_emb", "pos_emb", "norm", "head"):
+            if getattr(m, name) is not None:
+                setattr(merged, name, getattr(m, name))
+    return merged
+
+
+def theoretical_bubble_pct(schedule, pp_size, n_microbatches, stages_per_rank):
+    """Idle share of an ideal pipeline with equal stages and free transfers: (p-1)/(m+p-1)
+    for GPipe and 1F1B, (p-1)/(v·m+p-1) interleaved over v stages per rank. None for the
+    zero-bubble schedules, whose bubble depends on how weight gradients fill it."""
+    if schedule in ZERO_BUBBLE:
+        return None
+    return 100 * (pp_size - 1) / (stages_per_rank * n_microbatches + pp_size - 1)
+
+
+class ComputeTimer:
+    """Time this rank's pipeline compute (each micro-batch's forward, backward and weight
+    gradient), to measure utilisation rather than assume it. CUDA events on a GPU: the
+    host only queues the work."""
+
+    def __init__(self, device, stages=()):
+        self.cuda = device.type == "cuda"
+        self.spans, self.busy = [], []
+        for stage in stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, name, self.timed(getattr(stage, name)))
+
+    def timed(self, fn):
+        def wrapper(*args, **kwargs):
+            start = self._mark()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spans.append((start, self._mark()))
+        return wrapper
+
+    def _mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def end_step(self, step_seconds):
+        """Call after each step, once its device work has finished (TrainLog.end_step)."""
+        if self.cuda:
+            seconds = sum(a.elapsed_time(b) for a, b in self.spans) / 1000
+        else:
+            seconds = sum(b - a for a, b in self.spans)
+        self.spans = []
+        self.busy.append(seconds / step_seconds)
+
+    def busy_pct(self, skip):
+        """Mean busy % of this rank over the steps after the first `skip`."""
+        timed = self.busy[skip:]
+        return 100 * sum(timed) / len(timed)
+

@@ -1,0 +1,18 @@
+"""Naive model parallelism must compute the single-process run, whatever the split."""
+
+import pytest
+from harness import assert_losses_match, launch, reference
+
+
+@pytest.mark.parametrize("nproc,extra", [
+    (2, []),
+    (4, ["--grad-accum", "2", "--activation-checkpointing"]),
+    (2, ["--split", "2,6"]),
+], ids=["2-ranks", "4-ranks-accum-checkpointing", "uneven-split"])
+def test_model_parallel_matches_single_process(nproc, extra):
+    run = launch("model_parallel_train.py", nproc, *extra)
+    assert_losses_match(run, reference())
+    assert run["split"] == ([2, 6] if "--split" in extra else [8 // nproc] * nproc)
+    # Measured, per rank: shares of the step that are each within 0-100 and add up.
+    for busy, transfer, idle in zip(run["busy_pct_per_rank"], run["transfer_pct_per_rank"], run["idle_pct_per_rank"]):
+        assert 0 < busy < 100 and transfer >= 0 and busy + transfer + idle == pytest.approx(100, abs=0.1)
