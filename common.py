@@ -661,7 +661,7 @@ class TrainLog:
         }
         log(f"done | {samples_per_sec:.2f} samples/s | {record['tokens_per_sec']:.0f} tok/s | "
             f"MFU {'n/a' if mfu is None else f'{mfu:.1f}%'} | peak mem {mem_gib:.2f} GiB ({mem_pct:.0f}%)"
-            + "".join(f" | {k} {v:.1f}" for k, v in extra.items() if isinstance(v, float)))
+            + "".join(f" | {k} {v:.3g}" for k, v in extra.items() if isinstance(v, float)))
         if IS_MAIN and self.args.results:
             with open(self.args.results, "a") as f:
                 f.write(json.dumps(record) + "\n")
