@@ -144,7 +144,6 @@ def main():
             ckpt.maybe_save(step + 1, force=stop)
             prof.step()
             if stop:
-                common.log(f"SIGTERM: stopped after step {step + 1}")
                 break
 
     extra = {}

@@ -1,0 +1,135 @@
+"""Fully sharded data parallel (ZeRO-3) with FSDP2's fully_shard.
+
+As in DDP, every rank trains on its own slice of each global batch; unlike DDP, a rank
+holds only 1/N of every parameter, gradient and optimizer state, so the memory for
+training state falls as ranks are added. Each Transformer block is one FSDP unit: its
+parameters are all-gathered just before it runs and freed just after (ZeRO-3), gathered
+again in backward, and its gradients are reduce-scattered so each rank keeps only the
+shard its optimizer steps. The root unit holds embeddings, final norm and head.
+
+--no-reshard-after-forward keeps each block's gathered parameters from forward to
+backward (ZeRO-2-like): one all-gather per block instead of two, for the memory of the
+gathered parameters. --cpu-offload keeps shards, gradients and the optimizer step on the
+CPU: a GPU then holds only the blocks in flight and the activations, so one GPU trains a
+model whose training state does not fit it (--model 6.7b: 107 GB of fp32 weights,
+gradients and Adam moments, all of which plain DDP keeps on the GPU).
+
+Communication: per micro-step a rank sends (N-1)/N of the parameters twice (all-gathers)
+and of the gradients once (reduce-scatter), 1.5x DDP's all-reduce at the same dtype, or
+1x without resharding. gloo (CPU) has no real reduce-scatter: it all-reduces the whole
+buffer, so CPU timings and profiles overstate FSDP's communication.
+
+Launch:
+    python fsdp_train.py --model 6.7b --cpu-offload      # one GPU; ddp_train.py runs out of memory
+    torchrun --standalone --nproc_per_node=8 fsdp_train.py --model 6.7b
+    # two nodes of 8 GPUs: run on each node
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d \\
+        --rdzv_endpoint=$HEAD_NODE:29500 --rdzv_id=job1 fsdp_train.py --model 6.7b
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+import common
+
+
+def local_bytes(tensors):
+    """Bytes this rank's storage really holds for these tensors: a DTensor counts only its
+    local shard (FSDP's padding included), and views of one storage count once."""
+    storages = {}
+    for t in tensors:
+        storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def main():
+    parser = common.base_parser(__doc__)
+    parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                        help="free each block's gathered parameters after its forward and gather them again in backward "
+                             "(ZeRO-3, the default); --no-reshard-after-forward keeps them until backward (ZeRO-2-like)")
+    parser.add_argument("--cpu-offload", action="store_true",
+                        help="keep parameter, gradient and optimizer-state shards on the CPU and step the optimizer there")
+    args = parser.parse_args()
+    cfg = common.model_config(args)
+    env = common.init_distributed(args)
+    common.check(args.global_batch_size % (env.world_size * args.grad_accum) == 0,
+                 f"--global-batch-size {args.global_batch_size} must divide evenly over {env.world_size} ranks x --grad-accum {args.grad_accum}")
+    common.refuse_fp16(args, "each rank's GradScaler would see only its own gradient shards, so ranks could disagree on skipping a step")
+    common.check(not args.cpu_offload or env.world_size == 1 or "gloo" in dist.get_backend(),
+                 "--cpu-offload on several GPUs: clipping reduces the offloaded gradients' norm on the CPU, which NCCL cannot; "
+                 "offload on one GPU, or shard over several without it")
+    if dist.get_backend() == "gloo" and env.world_size > 1:
+        common.log("note: gloo has no reduce-scatter (it all-reduces the whole buffer): CPU timings and profiles overstate FSDP's communication")
+
+    # Every rank builds the same full model, then keeps only its shards: the weights equal
+    # the single-process run's.
+    model = common.build_model(cfg, env.device, args.seed)
+    model.activation_checkpointing = args.activation_checkpointing
+    if args.compile:
+        common.compile_blocks(model)
+    mesh = common.make_mesh(env, dp=env.world_size)
+    # bf16: FSDP casts the gathered parameters and each unit's input to bf16, so every
+    # matmul runs in bf16 without autocast (the residual stream too, unlike autocast);
+    # norms and softmax accumulate in fp32 inside their kernels, the loss is computed in
+    # fp32, and gradients are reduced and stepped in fp32.
+    precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.dtype == "bf16" else MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if args.cpu_offload else OffloadPolicy()
+    for block in model.blocks.values():
+        fully_shard(block, mesh=mesh, reshard_after_forward=args.reshard_after_forward, mp_policy=precision, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=precision, offload_policy=offload)  # by default the root keeps its parameters for backward, which starts with it
+    if env.device.type == "cuda":
+        # The whole fp32 model sat on each GPU only while it was built: count training's peak.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(env.device)
+
+    optimizer = common.make_optimizer(model.parameters(), args, torch.device("cpu") if args.cpu_offload else env.device)
+    ckpt = common.Checkpointer(args, model, optimizer)
+    start_step = ckpt.load()
+
+    micro_batch = args.global_batch_size // (env.world_size * args.grad_accum)
+    batches = common.make_batches(args, cfg, env.device, micro_batch, env.rank, env.world_size, start_step)
+    tlog = common.TrainLog(args, env, cfg, "fsdp", start_step)
+    grad_bytes = 0
+    with common.Profiler(args, env) as prof:
+        for step in range(start_step, args.steps):
+            lr = common.set_lr(optimizer, step, args)
+            loss = torch.zeros((), device=env.device)
+            for _ in range(args.grad_accum):
+                x, y = next(batches)
+                # Every micro-step reduce-scatters: skipping it (set_requires_gradient_sync) would
+                # keep the whole unsharded gradient on every rank, the memory FSDP is here to save.
+                micro_loss = common.loss_fn(model(x), y) / args.grad_accum
+                micro_loss.backward()
+                loss += micro_loss.detach()
+            grad_norm = common.clip_grad_norm_(model.parameters(), args.grad_clip)
+            optimizer.step()
+            grad_bytes = local_bytes(p.grad for p in model.parameters())
+            optimizer.zero_grad(set_to_none=True)
+            # This rank's loss is the mean over its G/world samples; the shares sum to the global mean.
+            stop = tlog.end_step(step, loss / env.world_size, grad_norm, lr)
+            ckpt.maybe_save(step + 1, force=stop)
+            prof.step()
+            if stop:
+                break
+
+    # What sharding buys: the training state a rank holds (the largest rank's), and each
+    # rank's peak (on a CPU, resident memory is mostly torch itself: the shards are the figure).
+    optim_state = [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    held = torch.tensor([local_bytes(model.parameters()), grad_bytes, local_bytes(optim_state)], dtype=torch.float64, device=env.device)
+    dist.all_reduce(held, op=dist.ReduceOp.MAX)
+    param_bytes, grad_bytes, optim_bytes = (int(b) for b in held.tolist())
+    peak_per_rank = common.gather_floats(common.peak_memory(env.device)[0], env.device)
+    common.log(f"per rank: parameter shards {param_bytes / 2**20:.1f} MiB, gradient shards {grad_bytes / 2**20:.1f} MiB, "
+               f"optimizer state {optim_bytes / 2**20:.1f} MiB, on {'cpu (offloaded)' if args.cpu_offload else env.device.type} "
+               f"(unsharded fp32 parameters: {common.count_params(cfg) * 4 / 2**20:.1f} MiB); peak GiB per rank {peak_per_rank}")
+    tlog.finish(param_shard_bytes=param_bytes, grad_shard_bytes=grad_bytes, optim_shard_bytes=optim_bytes,
+                peak_mem_gib_per_rank=peak_per_rank, reshard_after_forward=args.reshard_after_forward, cpu_offload=args.cpu_offload)
+
+
+if __name__ == "__main__":
+    common.run(main)
