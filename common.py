@@ -60,8 +60,8 @@ PRESETS = {
     "350m": ModelConfig(n_layers=24, n_heads=16, d_model=1024, vocab_size=32000, max_seq_len=1024, lr=3e-4),
     # The article's 2.5B-parameter Transformer: 2.52B in the blocks, 2.68B in all.
     "2.5b": ModelConfig(n_layers=32, n_heads=20, d_model=2560, vocab_size=32000, max_seq_len=1024, lr=1.6e-4),
-    # GPT-3 6.7B shape: fp32 Adam needs ~107 GB before activations, more than DDP can hold
-    # on one H200; FSDP with CPU offload trains it.
+    # GPT-3 6.7B shape: fp32 Adam needs ~107 GB before activations. On one H200, DDP holds
+    # it at batch 8 (131 GiB) but not 16; FSDP with CPU offload trains it at 16 in 74 GiB.
     "6.7b": ModelConfig(n_layers=32, n_heads=32, d_model=4096, vocab_size=32000, max_seq_len=1024, lr=1.2e-4),
 }
 
@@ -374,6 +374,17 @@ def check(ok, message):
         raise ConfigError(message)
 
 
+def _lost_peer(e):
+    """A collective or transfer that failed because a peer is gone or silent: raised from
+    inside torch.distributed as a timeout or a broken connection (gloo raises these as
+    plain RuntimeErrors). Anything else is a bug and keeps its traceback."""
+    tb = e.__traceback__
+    while tb.tb_next:
+        tb = tb.tb_next
+    in_distributed = f"{os.sep}torch{os.sep}distributed{os.sep}" in tb.tb_frame.f_code.co_filename
+    return isinstance(e, dist.DistError) or (in_distributed and re.search(r"[Tt]imed out|[Cc]onnection|by peer", str(e)) is not None)
+
+
 def run(main):
     """Run a script's main() and turn the failures a user can act on into one line."""
     code = 0
@@ -387,10 +398,17 @@ def run(main):
         code = 3
         if IS_MAIN:
             print(f"error: {e}", file=sys.stderr, flush=True)
-    except dist.DistError as e:  # a peer died, or stalled past --timeout
+    except torch.OutOfMemoryError as e:
         code = 1
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"error: rank {RANK}: communication failed ({first}); a peer died or stalled past --timeout", file=sys.stderr, flush=True)
+        print(f"error: rank {RANK} ran out of memory ({str(e).splitlines()[0][:120]}): try --activation-checkpointing, "
+              "a smaller --global-batch-size or more --grad-accum, or a strategy that shards the model", file=sys.stderr, flush=True)
+    except (dist.DistError, RuntimeError) as e:
+        if not _lost_peer(e):
+            raise
+        code = 1
+        reason = re.sub(r"^\[[^\]]*\] ", "", str(e).strip().splitlines()[0])  # drop gloo's source location
+        print(f"error: rank {RANK} lost a peer ({reason}): another rank died or stalled past --timeout; its log says why",
+              file=sys.stderr, flush=True)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -908,16 +926,18 @@ def theoretical_bubble_pct(schedule, pp_size, n_microbatches, stages_per_rank):
 
 
 class ComputeTimer:
-    """Time this rank's pipeline compute (each micro-batch's forward, backward and weight
-    gradient), to measure utilisation rather than assume it. CUDA events on a GPU: the
-    host only queues the work."""
+    """Time this rank's compute (each micro-batch's forward, backward and weight gradient,
+    and the optimizer step), to measure utilisation rather than assume it. CUDA events on
+    a GPU: the host only queues the work."""
 
-    def __init__(self, device, stages=()):
+    def __init__(self, device, optimizer, stages=()):
         self.cuda = device.type == "cuda"
         self.spans, self.busy = [], []
         for stage in stages:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(stage, name, self.timed(getattr(stage, name)))
+        optimizer.register_step_pre_hook(lambda *_: self.spans.append((self._mark(), None)))
+        optimizer.register_step_post_hook(lambda *_: self.spans.append((self.spans.pop()[0], self._mark())))
 
     def timed(self, fn):
         def wrapper(*args, **kwargs):

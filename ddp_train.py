@@ -125,6 +125,7 @@ def main():
     micro_batch = args.global_batch_size // (env.world_size * args.grad_accum)
     batches = common.make_batches(args, cfg, env.device, micro_batch, env.rank, env.world_size, start_step)
     tlog = common.TrainLog(args, env, cfg, "ddp", start_step)
+    stop = False
     with common.Profiler(args, env) as prof:
         for step in range(start_step, args.steps):
             lr = common.set_lr(optimizer, step, args)
@@ -147,7 +148,7 @@ def main():
                 break
 
     extra = {}
-    if env.world_size > 1:
+    if env.world_size > 1 and not stop:  # after a SIGTERM, the time left is the scheduler's
         comm_pct, bus_gbps = measure_communication(model, batches, args, env, scaler)
         extra = {"comm_pct": comm_pct, "allreduce_busbw_gbps": bus_gbps}
     tlog.finish(**extra)

@@ -103,7 +103,7 @@ def main():
     ckpt = common.Checkpointer(args, common.merged_stages(modules), optimizer)
     start_step = ckpt.load()
     batches = common.make_batches(args, cfg, env.device, batch_per_call, dp_rank, dp, start_step) if has_first or has_last else None
-    timer = common.ComputeTimer(env.device, stages)
+    timer = common.ComputeTimer(env.device, optimizer, stages)
     tlog = common.TrainLog(args, env, cfg, "hybrid", start_step)
     with common.Profiler(args, env) as prof:
         for step in range(start_step, args.steps):

@@ -73,7 +73,7 @@ def main():
     batches = common.make_batches(args, cfg, env.device, micro_batch, start_step=start_step) if first or last else None
     # What crosses a boundary: the residual stream, fp32 even under autocast.
     activation_shape = (micro_batch, args.seq_len, cfg.d_model)
-    timer = common.ComputeTimer(env.device)
+    timer = common.ComputeTimer(env.device, optimizer)
     forward, backward = timer.timed(model), timer.timed(torch.autograd.backward)
     tlog = common.TrainLog(args, env, cfg, "model_parallel", start_step)
     common.log(f"blocks per rank: {[len(r) for r in common.split_layers(cfg.n_layers, env.world_size, args.split)]}")

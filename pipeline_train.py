@@ -57,7 +57,7 @@ def main():
     start_step = ckpt.load()
     # Only the first stage needs inputs and only the last needs targets.
     batches = common.make_batches(args, cfg, env.device, batch_per_call, start_step=start_step) if has_first or has_last else None
-    timer = common.ComputeTimer(env.device, stages)
+    timer = common.ComputeTimer(env.device, optimizer, stages)
     tlog = common.TrainLog(args, env, cfg, "pipeline", start_step)
     with common.Profiler(args, env) as prof:
         for step in range(start_step, args.steps):

@@ -2,15 +2,20 @@
 the JSON results line each run writes. Every parity test compares against one cached
 single-process run of ddp_train.py on the same global batch."""
 
+import atexit
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# Checkpoints written by parity runs, which the resume tests then continue from.
+CHECKPOINTS = Path(tempfile.mkdtemp(prefix="parity-checkpoints-"))
+atexit.register(shutil.rmtree, CHECKPOINTS, ignore_errors=True)
 
 # Tiny model, few steps, no DataLoader workers: fast on 2 CPU cores, and fp32 so that
 # parallel and single-process runs can agree to ~1e-5.
@@ -20,12 +25,12 @@ TINY = ["--model", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--ste
 PARITY_ATOL = 1e-5
 
 
-def run_script(script, nproc=1, args=(), env=None, timeout=120, torchrun=True):
+def run_script(script, nproc=1, args=(), env=None, timeout=120, torchrun=True, torchrun_args=()):
     """Run a script; return (CompletedProcess, results records). Without torchrun it runs
     as a plain `python script.py`, the world-of-one path."""
     with tempfile.TemporaryDirectory() as tmp:
         results = os.path.join(tmp, "results.jsonl")
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if torchrun else [sys.executable]
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args] if torchrun else [sys.executable]
         cmd = launcher + [str(ROOT / script), *TINY, *map(str, args), "--results", results]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
@@ -33,14 +38,25 @@ def run_script(script, nproc=1, args=(), env=None, timeout=120, torchrun=True):
     return proc, records
 
 
-@functools.lru_cache(maxsize=None)
 def launch(script, nproc=1, *args):
     """Run a script that must succeed under torchrun; return its results record. Cached:
     tests asking for the same run share one launch (each costs seconds of imports)."""
+    return _launch(script, nproc, *map(str, args))
+
+
+@functools.lru_cache(maxsize=None)
+def _launch(script, nproc, *args):
     proc, records = run_script(script, nproc, args)
     assert proc.returncode == 0, f"{script} x{nproc} {args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert len(records) == 1, f"expected one results line, got {len(records)}"
     return records[0]
+
+
+def checkpointed(script, nproc, *args):
+    """A parity run that also saves a checkpoint every 2 steps, into a folder of its own
+    under CHECKPOINTS; returns (record, folder). Cached like launch()."""
+    folder = CHECKPOINTS / "-".join([script.removesuffix("_train.py"), str(nproc), *map(str, args)]).replace("/", "_")
+    return launch(script, nproc, *args, "--checkpoint-dir", str(folder), "--checkpoint-every", "2"), folder
 
 
 @functools.lru_cache(maxsize=None)

@@ -3,7 +3,7 @@
 import math
 
 import pytest
-from harness import PARITY_ATOL, assert_losses_match, launch, loss_diffs, reference
+from harness import PARITY_ATOL, assert_losses_match, checkpointed, launch, loss_diffs, reference
 
 REQUIRED_FIELDS = {
     "strategy": str, "world_size": int, "device": str, "gpu_name": type(None), "model": str, "params": int,
@@ -15,11 +15,12 @@ REQUIRED_FIELDS = {
 
 @pytest.mark.parametrize("extra", [
     [],
-    ["--grad-accum", "2"],
-    ["--activation-checkpointing"],
-], ids=["plain", "grad-accum", "activation-checkpointing"])
+    ["--grad-accum", "2", "--activation-checkpointing"],
+], ids=["plain", "grad-accum-activation-checkpointing"])
 def test_ddp_two_ranks_match_single_process(extra):
-    assert_losses_match(launch("ddp_train.py", 2, *extra), reference())
+    # The plain run also saves checkpoints, which test_checkpoint resumes from.
+    run = launch("ddp_train.py", 2, *extra) if extra else checkpointed("ddp_train.py", 2)[0]
+    assert_losses_match(run, reference())
 
 
 def test_ddp_clipping_matches_when_it_acts():
@@ -43,7 +44,7 @@ def test_comm_hook_is_close_but_not_exact(hook):
 
 
 def test_results_line_has_every_field():
-    record = launch("ddp_train.py", 2)
+    record = checkpointed("ddp_train.py", 2)[0]
     for field, kind in REQUIRED_FIELDS.items():
         assert isinstance(record[field], kind), f"{field} = {record[field]!r} is not {kind.__name__}"
     assert record["strategy"] == "ddp" and record["world_size"] == 2 and record["device"] == "cpu"

@@ -2,7 +2,7 @@
 state on each rank."""
 
 import pytest
-from harness import assert_losses_match, launch, reference, run_script
+from harness import assert_losses_match, checkpointed, launch, reference, run_script
 
 # One launch per case, each covering some of the switches: ZeRO-2-like resharding and
 # gradient accumulation at 4 ranks, CPU offload and activation checkpointing at 2.
@@ -22,7 +22,8 @@ def assert_grad_norms_match(run, ref, rtol=1e-4):
 @pytest.mark.parametrize("case", CASES)
 def test_fsdp_matches_single_process(case):
     nproc, *extra = CASES[case]
-    run = launch("fsdp_train.py", nproc, *extra)
+    # The plain run also saves checkpoints, which test_checkpoint resumes from.
+    run = launch("fsdp_train.py", nproc, *extra) if extra else checkpointed("fsdp_train.py", nproc)[0]
     assert run["strategy"] == "fsdp" and run["world_size"] == nproc
     assert run["cpu_offload"] == ("--cpu-offload" in extra)
     assert run["reshard_after_forward"] == ("--no-reshard-after-forward" not in extra)
@@ -33,7 +34,7 @@ def test_fsdp_matches_single_process(case):
 def test_shards_shrink_with_ranks():
     """Each rank holds 1/world of the fp32 parameters, as much gradient, and twice that
     in Adam's two moments; so the shards halve from 2 to 4 ranks."""
-    runs = [launch("fsdp_train.py", *CASES[case]) for case in ("2 ranks", "4 ranks, no reshard after forward, grad-accum")]
+    runs = [checkpointed("fsdp_train.py", 2)[0], launch("fsdp_train.py", *CASES["4 ranks, no reshard after forward, grad-accum"])]
     for run in runs:
         expected = 4 * run["params"] / run["world_size"]
         assert run["param_shard_bytes"] == pytest.approx(expected, rel=0.02)

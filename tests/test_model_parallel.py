@@ -1,7 +1,7 @@
 """Naive model parallelism must compute the single-process run, whatever the split."""
 
 import pytest
-from harness import assert_losses_match, launch, reference
+from harness import assert_losses_match, checkpointed, launch, reference
 
 
 @pytest.mark.parametrize("nproc,extra", [
@@ -10,7 +10,8 @@ from harness import assert_losses_match, launch, reference
     (2, ["--split", "2,6"]),
 ], ids=["2-ranks", "4-ranks-accum-checkpointing", "uneven-split"])
 def test_model_parallel_matches_single_process(nproc, extra):
-    run = launch("model_parallel_train.py", nproc, *extra)
+    # The plain run also saves checkpoints, which test_checkpoint resumes from.
+    run = launch("model_parallel_train.py", nproc, *extra) if extra else checkpointed("model_parallel_train.py", nproc)[0]
     assert_losses_match(run, reference())
     assert run["split"] == ([2, 6] if "--split" in extra else [8 // nproc] * nproc)
     # Measured, per rank: shares of the step that are each within 0-100 and add up.

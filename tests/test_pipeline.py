@@ -3,7 +3,7 @@ several micro-batch counts, with and without gradient accumulation, with clippin
 
 import pytest
 import torch
-from harness import assert_losses_match, launch, reference, run_script
+from harness import assert_losses_match, checkpointed, launch, reference, run_script
 
 CLIP = ["--grad-clip", "0.3"]  # below every step's gradient norm (see test_ddp)
 CASES = [
@@ -29,7 +29,9 @@ def test_schedule_matches_single_process(schedule, nproc, micro_batches, extra):
         proc, _ = run_script("pipeline_train.py", nproc, ["--schedule", "zbv", "--micro-batches", micro_batches])
         assert proc.returncode != 0 and proc.stderr.count("error: --schedule zbv on gloo needs torch 2.13") == 1, proc.stderr[-3000:]
         return
-    run = launch("pipeline_train.py", nproc, "--schedule", schedule, "--micro-batches", micro_batches, *extra)
+    args = ("--schedule", schedule, "--micro-batches", micro_batches, *extra)
+    # The plain run also saves checkpoints, which test_checkpoint resumes from.
+    run = launch("pipeline_train.py", nproc, *args) if extra else checkpointed("pipeline_train.py", nproc, *args)[0]
     assert_losses_match(run, reference(*(CLIP if extra == CLIP else [])))
     assert len(run["busy_pct_per_rank"]) == nproc and all(0 < b < 100 for b in run["busy_pct_per_rank"])
     assert run["bubble_pct"] == pytest.approx(100 - sum(run["busy_pct_per_rank"]) / nproc)

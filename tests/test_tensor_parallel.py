@@ -2,7 +2,7 @@
 one process."""
 
 import pytest
-from harness import assert_losses_match, launch, reference, run_script
+from harness import assert_losses_match, checkpointed, launch, reference, run_script
 
 # One launch per layout; sequence parallelism, activation checkpointing and gradient
 # accumulation ride along so that each switch runs at least once.
@@ -16,7 +16,8 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_tensor_parallel_matches_single_process(case):
     nproc, *extra = CASES[case]
-    run = launch("tensor_parallel_train.py", nproc, *extra)
+    # The plain run also saves checkpoints, which test_checkpoint resumes from.
+    run = launch("tensor_parallel_train.py", nproc, *extra) if extra else checkpointed("tensor_parallel_train.py", nproc)[0]
     dp = int(extra[extra.index("--dp") + 1]) if "--dp" in extra else 1
     assert run["strategy"] == "tp" and run["mesh"] == {"dp": dp, "tp": nproc // dp}
     assert run["sequence_parallel"] == ("--sequence-parallel" in extra)

@@ -1,0 +1,82 @@
+"""Checkpoints: resume continues the very same run, for every strategy (once at another
+world size); a crash mid-save leaves the previous checkpoint; SIGTERM saves and stops;
+an elastic restart after a hard death finishes the run as if nothing had happened."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from harness import ROOT, TINY, checkpointed, launch, reference, run_script
+
+RESUME_ATOL = 1e-6
+# Each strategy's checkpointed parity run (4 steps, saved after 2 and 4), the world size
+# to resume at, and the layout there. Two resume elsewhere, which DCP reshards: the
+# pipeline's 2 stages continue as 1, and hybrid's FSDP over 4 ranks as a 2-stage pipeline.
+HYBRID_DP4 = ("--pp", 1, "--dp-wrapper", "fsdp", "--schedule", "gpipe", "--micro-batches", 2, "--grad-accum", 2)
+RESUMABLE = [
+    ("ddp_train.py", 2, (), 2, ()),
+    ("model_parallel_train.py", 2, (), 2, ()),
+    ("pipeline_train.py", 2, ("--schedule", "gpipe", "--micro-batches", 2), 1, ("--schedule", "gpipe", "--micro-batches", 2)),
+    ("hybrid_train.py", 4, HYBRID_DP4, 2, ("--pp", 2, "--schedule", "gpipe", "--micro-batches", 2, "--grad-accum", 2)),
+    ("fsdp_train.py", 2, (), 2, ()),
+    ("tensor_parallel_train.py", 2, (), 2, ()),
+]
+
+
+def assert_continues(resumed, full, start):
+    assert resumed["start_step"] == start and len(resumed["losses"]) == len(full["losses"]) - start
+    diffs = [abs(a - b) for a, b in zip(resumed["losses"], full["losses"][start:])]
+    assert max(diffs) <= RESUME_ATOL, f"resumed losses {resumed['losses']} vs uninterrupted {full['losses'][start:]}"
+
+
+@pytest.mark.parametrize("script,nproc,args,resume_nproc,resume_args", RESUMABLE,
+                         ids=[f"{s.removesuffix('_train.py')}-x{n}-to-x{r}" for s, n, _, r, _ in RESUMABLE])
+def test_resume_continues_the_same_run(script, nproc, args, resume_nproc, resume_args, tmp_path):
+    full, folder = checkpointed(script, nproc, *args)
+    assert sorted(os.listdir(folder)) == ["step_00000002", "step_00000004"]
+    shutil.copytree(folder / "step_00000002", tmp_path / "step_00000002")  # as if the run had died after step 2
+    resumed = launch(script, resume_nproc, *resume_args, "--checkpoint-dir", tmp_path)
+    assert_continues(resumed, full, start=2)
+
+
+def test_crash_during_save_leaves_the_previous_checkpoint(tmp_path):
+    args = ["--steps", "6", "--checkpoint-dir", tmp_path, "--checkpoint-every", "2"]
+    proc, records = run_script("ddp_train.py", 2, args, env={"TRAIN_FAULT": "kill-in-save:4:1"})
+    assert proc.returncode != 0 and records == [] and "fault injection: kill-in-save on rank 1 at step 4" in proc.stderr
+    # Step 4's files may all be on disk, but it was never committed: resume must not see it.
+    assert sorted(os.listdir(tmp_path)) == ["step_00000002", "step_00000004.partial"]
+    proc, records = run_script("ddp_train.py", 2, args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_continues(records[0], reference("--steps", "6"), start=2)
+
+
+def test_elastic_restart_after_a_hard_death_finishes_the_run(tmp_path):
+    # The command README.md documents: a restarted group must not reuse the dead rank's
+    # rendezvous store (see pytorch/pytorch#135712).
+    args = ["--steps", "6", "--checkpoint-dir", tmp_path, "--checkpoint-every", "2"]
+    proc, records = run_script("ddp_train.py", 2, args, torchrun_args=["--max-restarts=1"],
+                               env={"TRAIN_FAULT": "kill:3:1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fault injection: kill on rank 1 at step 3" in proc.stderr and f"resumed from {tmp_path}/step_00000002" in proc.stdout
+    assert_continues(records[0], reference("--steps", "6"), start=2)
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "ddp_train.py"),
+           *TINY, "--steps", "100000", "--checkpoint-dir", str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + 90
+    while not proc.stdout.readline().startswith("step     3/"):  # training is under way
+        assert time.monotonic() < deadline and proc.poll() is None, "the run did not get going"
+    proc.send_signal(signal.SIGTERM)  # what a scheduler's time limit sends
+    out, err = proc.communicate(timeout=90)
+    stopped = [line for line in out.splitlines() if line.startswith("SIGTERM: stopping after step ")]
+    assert len(stopped) == 1, out + err
+    step = int(stopped[0].rsplit(" ", 1)[1])
+    assert os.listdir(tmp_path) == [f"step_{step:08d}"] and "saved " in out and "done |" in out, out + err
+    assert "[rank" not in err, "a rank failed instead of stopping cleanly"
