@@ -5,12 +5,18 @@ single-process run of ddp_train.py on the same global batch."""
 import atexit
 import functools
 import json
+import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
+import traceback
 from pathlib import Path
+
+import torch.distributed.run  # noqa: F401  imported once here, for every forked launcher
 
 ROOT = Path(__file__).resolve().parent.parent
 # Checkpoints written by parity runs, which the resume tests then continue from.
@@ -25,15 +31,67 @@ TINY = ["--model", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--ste
 PARITY_ATOL = 1e-5
 
 
+def _torchrun(argv, env, stdout, stderr, timeout):
+    """torchrun's own entry point, torch.distributed.run.main(argv), in a forked child of
+    this test process: the launcher then needs no fresh interpreter importing torch (and
+    tearing it down) for every launch, a third of a small launch's time on 2 cores. The
+    workers it starts are fresh interpreters, exactly as under `torchrun`; test_checkpoint
+    and test_run_all also run the real `torchrun` command. Returns the exit status."""
+    pid = os.fork()
+    if pid == 0:  # the launcher
+        code = 1
+        try:
+            os.setpgrp()  # its workers join this process group, so a timeout can end them all
+            os.dup2(stdout.fileno(), 1)
+            os.dup2(stderr.fileno(), 2)
+            # Python's streams and torch's log handlers still point where pytest had them.
+            sys.stdout, sys.stderr = open(1, "w", buffering=1, closefd=False), open(2, "w", buffering=1, closefd=False)
+            for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+                for handler in getattr(logger, "handlers", []):
+                    if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                        handler.setStream(sys.stderr)
+            os.chdir(ROOT)
+            os.environ.clear()
+            os.environ.update(env)
+            from torch.distributed.run import main
+
+            main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.killpg(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise TimeoutError(f"torchrun {' '.join(argv)} did not finish in {timeout} s")
+
+
 def run_script(script, nproc=1, args=(), env=None, timeout=120, torchrun=True, torchrun_args=()):
-    """Run a script; return (CompletedProcess, results records). Without torchrun it runs
-    as a plain `python script.py`, the world-of-one path."""
+    """Run a script on CPU/gloo with the tiny model, as `torchrun --standalone
+    --nproc_per_node=N script.py ...` or, without torchrun, as a plain `python script.py`
+    (the world-of-one path). Returns (CompletedProcess, results records)."""
     with tempfile.TemporaryDirectory() as tmp:
         results = os.path.join(tmp, "results.jsonl")
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args] if torchrun else [sys.executable]
-        cmd = launcher + [str(ROOT / script), *TINY, *map(str, args), "--results", results]
+        argv = [str(ROOT / script), *TINY, *map(str, args), "--results", results]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+        if torchrun:
+            argv = ["--standalone", f"--nproc_per_node={nproc}", *torchrun_args, *argv]
+            with open(os.path.join(tmp, "out"), "w+") as out, open(os.path.join(tmp, "err"), "w+") as err:
+                code = _torchrun(argv, full_env, out, err, timeout)
+                out.seek(0), err.seek(0)
+                proc = subprocess.CompletedProcess(argv, code, out.read(), err.read())
+        else:
+            proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
         records = [json.loads(line) for line in open(results)] if os.path.exists(results) else []
     return proc, records
 

@@ -12,7 +12,7 @@ CASES = [
     (2, "fsdp", "interleaved-1f1b", ["--mesh-order", "dp-pp"]),
     (2, "fsdp", "zero-bubble", CLIP),
     (2, "fsdp", "zbv", ["--grad-accum", "2"]),
-    (1, "fsdp", "gpipe", ["--grad-accum", "2"]),  # dp=4: pure FSDP, one stage
+    (1, "fsdp", "gpipe", []),  # dp=4: pure FSDP, one stage
     (2, "ddp", "gpipe", CLIP),
     (2, "ddp", "1f1b", ["--grad-accum", "2"]),
     (2, "ddp", "interleaved-1f1b", []),
