@@ -174,12 +174,19 @@ def _part_index(name, cfg):
     return int(name.removeprefix("block")) + 1
 
 
-def build_model(cfg, device, seed, layers=None, embed=True, head=True):
-    """Build (a slice of) the model straight on `device`, then give it its deterministic
-    weights. Building on the device avoids materialising a 2.5B model on the CPU first."""
+def build_model(cfg, device, args, layers=None, embed=True, head=True):
+    """Build (a slice of) the model straight on `device` (a 2.5B model never materialises
+    on the CPU first), give it its deterministic weights from --seed, and apply
+    --activation-checkpointing and --compile."""
     with torch.device(device):
         model = GPT(cfg, layers, embed, head)
-    model.init_weights(seed)
+    model.init_weights(args.seed)
+    model.activation_checkpointing = args.activation_checkpointing
+    if args.compile:
+        # Each block in place: names stay as they were (no `_orig_mod.`), and every
+        # strategy's wrapping (DDP, FSDP, pipeline stages, DTensor) sees the same modules.
+        for block in model.blocks.values():
+            block.compile()
     return model
 
 
@@ -200,13 +207,6 @@ def flops_per_token(cfg, seq_len):
 def loss_fn(logits, targets):
     """Mean next-token cross entropy, in fp32 whatever the autocast dtype."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-def compile_blocks(model):
-    """torch.compile each block in place: names stay as they were (no `_orig_mod.`), and
-    every strategy's wrapping (DDP, FSDP, pipeline stages, DTensor) sees the same modules."""
-    for block in model.blocks.values():
-        block.compile()
 
 
 # ----------------------------------------------------------------------------
@@ -278,21 +278,27 @@ class StepSampler(Sampler):
             step += 1
 
 
+def _ignore_sigterm(worker_id):
+    # torchrun signals the whole process group. A worker killed by SIGTERM would make the
+    # trainer raise mid-step, before it could save; the trainer stops its workers itself.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def make_batches(args, cfg, device, batch_size, dp_rank=0, dp_size=1, start_step=0):
     """An endless iterator of (inputs, targets) on `device`, `batch_size` samples each."""
     if args.data:
         dataset = TokenFile(args.data, cfg.vocab_size, args.seq_len, args.seed)
     else:
         dataset = MarkovTokens(cfg.vocab_size, args.seq_len, args.seed)
+    # No persistent_workers (the article's advice): it only spares re-creating workers at
+    # each epoch, and this loader streams without epochs, its workers alive all run long.
     loader = DataLoader(
         dataset,
         batch_size=batch_size,
         sampler=StepSampler(args.global_batch_size, dp_rank, dp_size, start_step),
         num_workers=args.num_workers,
         pin_memory=device.type == "cuda",  # page-locked host memory: faster, async copies
-        # Kept for the article's advice; this loader streams without epochs, so its
-        # workers live for the whole run either way.
-        persistent_workers=args.num_workers > 0,
+        worker_init_fn=_ignore_sigterm,
     )
     return ((x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in loader)
 
@@ -300,6 +306,14 @@ def make_batches(args, cfg, device, batch_size, dp_rank=0, dp_size=1, start_step
 # ----------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------
+
+
+def positive(text):
+    """argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a whole number of at least 1")
+    return value
 
 
 class _Parser(argparse.ArgumentParser):
@@ -315,14 +329,14 @@ def base_parser(doc):
     p = _Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model and data")
     g.add_argument("--model", choices=PRESETS, default="tiny", help="size preset (default: tiny, the CPU/test size; 2.5b is the article's model)")
-    g.add_argument("--vocab-size", type=int, help="override the preset's vocabulary (needed when --data holds larger token ids)")
-    g.add_argument("--seq-len", type=int, help="tokens per sample (default: the preset's context length)")
+    g.add_argument("--vocab-size", type=positive, help="override the preset's vocabulary (needed when --data holds larger token ids)")
+    g.add_argument("--seq-len", type=positive, help="tokens per sample (default: the preset's context length)")
     g.add_argument("--data", metavar="FILE", help="flat binary file of uint16 token ids, as nanoGPT's train.bin (default: synthetic Markov data)")
     g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes per rank (default: 2; 0 loads in the training process)")
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=20, help="optimizer steps (default: 20)")
-    g.add_argument("--global-batch-size", type=int, default=8, help="samples per optimizer step, summed over all ranks and micro-steps (default: 8)")
-    g.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step on each data-parallel rank (default: 1)")
+    g.add_argument("--steps", type=positive, default=20, help="optimizer steps (default: 20)")
+    g.add_argument("--global-batch-size", type=positive, default=8, help="samples per optimizer step, summed over all ranks and micro-steps (default: 8)")
+    g.add_argument("--grad-accum", type=positive, default=1, help="micro-steps per optimizer step on each data-parallel rank (default: 1)")
     g.add_argument("--lr", type=float, help="peak learning rate (default: the preset's, 1.6e-4 for 2.5b)")
     g.add_argument("--lr-warmup-steps", type=int, default=2, help="linear warm-up steps before cosine decay to lr/10 (default: 2)")
     g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices (default: 0.1)")
@@ -335,7 +349,7 @@ def base_parser(doc):
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA with NCCL where there is a GPU, else CPU with gloo")
     g.add_argument("--timeout", type=float, default=600, help="seconds a collective waits for a peer before the job fails (default: 600)")
     g = p.add_argument_group("output")
-    g.add_argument("--log-every", type=int, default=1, help="print a step line every N steps (default: 1)")
+    g.add_argument("--log-every", type=positive, default=1, help="print a step line every N steps (default: 1)")
     g.add_argument("--timing-warmup-steps", type=int, default=3, help="first steps left out of throughput figures (default: 3)")
     g.add_argument("--profile", metavar="DIR", help="trace a few steps with torch.profiler into DIR and print the op table")
     g.add_argument("--results", metavar="FILE", help="append one JSON line with this run's figures to FILE")
@@ -347,10 +361,10 @@ def base_parser(doc):
 def model_config(args):
     """The preset with the command line's overrides; fills in args.seq_len and args.lr."""
     cfg = PRESETS[args.model]
-    if args.vocab_size:
+    if args.vocab_size is not None:
         cfg = replace(cfg, vocab_size=args.vocab_size)
-    args.seq_len = args.seq_len or cfg.max_seq_len
-    args.lr = args.lr or cfg.lr
+    args.seq_len = cfg.max_seq_len if args.seq_len is None else args.seq_len
+    args.lr = cfg.lr if args.lr is None else args.lr
     check(args.seq_len <= cfg.max_seq_len, f"--seq-len {args.seq_len} exceeds the {args.model} preset's context of {cfg.max_seq_len}")
     return cfg
 
@@ -428,9 +442,10 @@ class Env:
     device: torch.device
 
 
-def init_distributed(args):
+def init_distributed(args, cpu_collectives=False):
     """Bind this process to its device and join the process group (torchrun's env://).
-    Without torchrun it runs as a world of one. Also settles args.dtype."""
+    Without torchrun it runs as a world of one. Also settles args.dtype. With
+    cpu_collectives, a GPU job also gets gloo for collectives on CPU tensors."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -444,10 +459,10 @@ def init_distributed(args):
     else:
         device = torch.device("cpu")
     if args.dtype is None:
-        args.dtype = "bf16" if use_cuda and torch.cuda.is_bf16_supported() else "fp32"
+        args.dtype = "bf16" if use_cuda and torch.cuda.is_bf16_supported(including_emulation=False) else "fp32"
     check(not (args.dtype == "fp16" and not use_cuda), "--dtype fp16 needs a GPU; use fp32 or bf16 on the CPU")
     timeout = timedelta(seconds=args.timeout)
-    backend = "nccl" if use_cuda else "gloo"
+    backend = ("cuda:nccl,cpu:gloo" if cpu_collectives else "nccl") if use_cuda else "gloo"
     if "RANK" in os.environ:
         # device_id binds NCCL's communicator to this GPU at once (no guessing, no hang).
         dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
@@ -501,7 +516,7 @@ def set_lr(optimizer, step, args):
     if step < args.lr_warmup_steps:
         lr = args.lr * (step + 1) / args.lr_warmup_steps
     else:
-        progress = (step - args.lr_warmup_steps) / max(1, args.steps - args.lr_warmup_steps)
+        progress = (step - args.lr_warmup_steps) / max(1, args.steps - 1 - args.lr_warmup_steps)
         lr = args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -519,15 +534,13 @@ def clip_grad_norm_(params, max_norm, group=None):
     TP) are reduced over their mesh; `group` sums the squares over ranks that hold
     different parts (pipeline stages), so every rank clips by the same global norm."""
     params = [p for p in params if p.grad is not None]
-    total_sq = torch.zeros((), device=params[0].grad.device if params else "cpu")
-    for is_dtensor in (False, True):
-        grads = [p.grad for p in params if _is_dtensor(p.grad) == is_dtensor]
-        if grads:
-            norm = torch.nn.utils.get_total_norm(grads)
-            total_sq = total_sq + (norm.full_tensor() if is_dtensor else norm).float() ** 2
+    total = torch.nn.utils.get_total_norm([p.grad for p in params]).float()
+    if _is_dtensor(total):
+        total = total.full_tensor()
     if group is not None:
+        total_sq = total**2
         dist.all_reduce(total_sq, group=group)
-    total = total_sq.sqrt()
+        total = total_sq.sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
@@ -592,6 +605,7 @@ class TrainLog:
         self.flops_per_step = flops_per_token(cfg, args.seq_len) * args.global_batch_size * args.seq_len
         self.peak, self.peak_source = peak_tflops(env.device, args.dtype)
         self.stop_requested = False
+        self.peak_mem = peak_memory(env.device)
         signal.signal(signal.SIGTERM, self._on_sigterm)
         log(f"{strategy} | world {env.world_size} on {env.device.type} | model {args.model}: {count_params(cfg) / 1e6:.1f}M parameters | "
             f"global batch {args.global_batch_size} x {args.seq_len} tokens | {args.dtype} | MFU peak: {self.peak_source}")
@@ -619,11 +633,12 @@ class TrainLog:
             raise NonFiniteLoss(f"loss is {loss_value} at step {step + 1}; lower --lr, keep --grad-clip on, or use bf16 rather than fp16")
         self.losses.append(loss_value)
         self.grad_norms.append(grad_norm)
+        self.peak_mem = peak_memory(self.env.device)
         if (step + 1) % self.args.log_every == 0 or step + 1 == self.args.steps:
             dt = self.step_times[-1]
             samples = self.args.global_batch_size / dt
             mfu = self._mfu(dt)
-            mem_gib, mem_pct = peak_memory(self.env.device)
+            mem_gib, mem_pct = self.peak_mem
             log(f"step {step + 1:>5}/{self.args.steps} | loss {loss_value:.4f} | grad norm {grad_norm:.3f} | lr {lr:.2e} | "
                 f"{dt * 1000:7.1f} ms | {samples:7.2f} samples/s | {samples * self.args.seq_len:9.0f} tok/s | "
                 f"MFU {'n/a' if mfu is None else f'{mfu:.1f}%'} | mem {mem_gib:.2f} GiB ({mem_pct:.0f}%)")
@@ -648,8 +663,8 @@ class TrainLog:
 
     def finish(self, **extra):
         """Summary line and, with --results, one JSON line from rank 0. Every rank must call
-        it: peak memory is the largest over ranks."""
-        mem = torch.tensor(peak_memory(self.env.device), device=self.env.device)
+        it: peak memory (training's, up to the last step) is the largest over ranks."""
+        mem = torch.tensor(self.peak_mem, device=self.env.device)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         mem_gib, mem_pct = mem.tolist()
         samples_per_sec, seconds = self.throughput()
@@ -731,14 +746,19 @@ class Checkpointer:
 
     A checkpoint is written to step_N.partial/ and renamed to step_N/ only after every rank
     has finished, so a crash mid-save leaves the previous checkpoint the newest complete one.
-    `model` must carry global parameter names (blocks keyed by global index), so ranks
-    holding different parts never write the same name; optimizer state is keyed by those
-    names too, which lets DCP reshard to another world size. Step and loss scale are stored
-    as tensors, but DCP reads its metadata with pickle: a checkpoint is trusted input.
+    The folder must be one every rank sees (a shared filesystem); rank 0 decides what is in
+    it, so ranks never disagree over a directory listing. `model` must carry global
+    parameter names (blocks keyed by global index), so ranks holding different parts never
+    write the same name; optimizer state is keyed by those names too, which lets DCP
+    reshard to another world size. Step and run shape are stored as tensors, but DCP reads
+    its metadata with pickle: a checkpoint is trusted input, like code.
     """
 
+    # What must match for a resume to continue the same run (the data position is step x batch).
+    RUN_SHAPE = ("global_batch_size", "seed")
+
     def __init__(self, args, model, optimizer, scaler=None):
-        self.dir, self.every = args.checkpoint_dir, args.checkpoint_every
+        self.args, self.dir, self.every = args, args.checkpoint_dir, args.checkpoint_every
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         if self.dir:  # imported only when used: DCP takes a second to load
             import torch.distributed.checkpoint as dcp
@@ -748,35 +768,48 @@ class Checkpointer:
             self.options = sd.StateDictOptions(flatten_optimizer_state_dict=True)
 
     def _state(self, step):
-        extra = {"step": torch.tensor(step)}
+        extra = {"step": torch.tensor(step), "steps": torch.tensor(self.args.steps)}
+        extra |= {k: torch.tensor(getattr(self.args, k)) for k in self.RUN_SHAPE}
         if self.scaler is not None:
-            extra |= {k: torch.tensor(v) for k, v in self.scaler.state_dict().items()}
+            extra |= {f"scaler.{k}": torch.tensor(v) for k, v in self.scaler.state_dict().items()}
         return {
             "model": self.sd.get_model_state_dict(self.model),
             "optim": self.sd.get_optimizer_state_dict(self.model, self.optimizer, options=self.options),
             "extra": extra,
         }
 
-    def latest(self):
-        """The newest complete checkpoint, or None."""
-        if not self.dir or not os.path.isdir(self.dir):
+    def _on_rank0(self, fn):
+        """fn() evaluated on rank 0 and shared with every rank."""
+        box = [fn() if IS_MAIN else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _latest(self):
+        if not os.path.isdir(self.dir):
             return None
         steps = [int(m.group(1)) for d in os.listdir(self.dir) if (m := re.fullmatch(r"step_(\d+)", d))]
         return os.path.join(self.dir, f"step_{max(steps):08d}") if steps else None
 
     def load(self):
         """Restore the newest complete checkpoint; return the step to continue from (0 if none)."""
-        path = self.latest()
+        path = self._on_rank0(self._latest) if self.dir else None
         if path is None:
             return 0
         state = self._state(0)
         self.dcp.load(state, checkpoint_id=path)
+        extra = state["extra"]
+        for k in self.RUN_SHAPE:
+            check(int(extra[k]) == getattr(self.args, k), f"{path} was trained with --{k.replace('_', '-')} {int(extra[k])}: "
+                  f"resume with the same, or use another --checkpoint-dir")
         self.sd.set_model_state_dict(self.model, state["model"])
         self.sd.set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=self.options)
         if self.scaler is not None:
-            self.scaler.load_state_dict({k: v.item() for k, v in state["extra"].items() if k != "step"})
-        step = int(state["extra"]["step"])
-        log(f"resumed from {path} at step {step}")
+            self.scaler.load_state_dict({k.removeprefix("scaler."): v.item() for k, v in extra.items() if k.startswith("scaler.")})
+        step = int(extra["step"])
+        log(f"resumed from {path} at step {step}" + ("" if int(extra["steps"]) == self.args.steps else
+            f" (it was run for --steps {int(extra['steps'])}: the learning-rate schedule now stretches to {self.args.steps})"))
+        if step >= self.args.steps:
+            log(f"nothing left to train: --steps {self.args.steps}")
         return step
 
     def maybe_save(self, step, force=False):
@@ -784,7 +817,7 @@ class Checkpointer:
         if not self.dir or not (force or (self.every and step % self.every == 0)):
             return
         final = os.path.join(self.dir, f"step_{step:08d}")
-        if os.path.isdir(final):
+        if self._on_rank0(lambda: os.path.isdir(final)):
             return
         t0 = time.perf_counter()
         self.dcp.save(self._state(step), checkpoint_id=final + ".partial")
@@ -882,11 +915,7 @@ def build_stage_module(cfg, args, stage, n_stages, device):
     """The blocks of one pipeline stage; the first stage also embeds, the last also holds
     the final norm and head. Weights equal the whole model's at the same place."""
     layers = split_layers(cfg.n_layers, n_stages, args.split)[stage]
-    module = build_model(cfg, device, args.seed, layers, embed=stage == 0, head=stage == n_stages - 1)
-    module.activation_checkpointing = args.activation_checkpointing
-    if args.compile:
-        compile_blocks(module)
-    return module
+    return build_model(cfg, device, args, layers, embed=stage == 0, head=stage == n_stages - 1)
 
 
 def make_schedule(args, stages, n_microbatches, loss):
@@ -923,6 +952,18 @@ def theoretical_bubble_pct(schedule, pp_size, n_microbatches, stages_per_rank):
     if schedule in ZERO_BUBBLE:
         return None
     return 100 * (pp_size - 1) / (stages_per_rank * n_microbatches + pp_size - 1)
+
+
+def pipeline_report(timer, tlog, args, pp_size, device):
+    """Measured busy % per rank and bubble beside the schedule's theory: the results
+    fields pipeline_train.py and hybrid_train.py both report (a collective)."""
+    busy = gather_floats(timer.busy_pct(tlog.warmup_steps()), device)
+    utilisation = sum(busy) / len(busy)
+    theory = theoretical_bubble_pct(args.schedule, pp_size, args.micro_batches, args.stages_per_rank)
+    log(f"busy % per rank {busy}; bubble {100 - utilisation:.1f}% measured, {'n/a' if theory is None else f'{theory:.1f}%'} "
+        f"in theory for {args.schedule} with {pp_size} ranks x {args.stages_per_rank} stages and {args.micro_batches} micro-batches")
+    return {"schedule": args.schedule, "micro_batches": args.micro_batches, "stages_per_rank": args.stages_per_rank,
+            "busy_pct_per_rank": busy, "utilisation_pct": utilisation, "bubble_pct": 100 - utilisation, "bubble_pct_theory": theory}
 
 
 class ComputeTimer:

@@ -8,10 +8,10 @@ baseline every other strategy's speed-up is divided by.
 
 Launch:
     python ddp_train.py                                          # one process (CPU or one GPU)
-    torchrun --standalone --nproc_per_node=8 ddp_train.py --model 2.5b
+    torchrun --standalone --nproc_per_node=8 ddp_train.py --model 2.5b --global-batch-size 64
     # two nodes of 8 GPUs: run on each node
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d \\
-        --rdzv_endpoint=$HEAD_NODE:29500 --rdzv_id=job1 ddp_train.py --model 2.5b
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 \\
+        --rdzv_id=job1 ddp_train.py --model 2.5b --global-batch-size 128
 """
 
 import time
@@ -23,6 +23,19 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
+
+
+# NVLink bandwidth per GPU and direction from the datasheets (SXM parts), to read the
+# measured bus bandwidth against. PCIe and NVL cards depend on their bridges, and across
+# nodes the network card is the bound instead.
+NVLINK_GBPS = [("H200", 450), ("H100", 450), ("A100", 300), ("V100", 150)]
+
+
+def nvlink_gbps(device):
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "none"
+    if "pcie" in name.lower() or "nvl" in name.lower():
+        return None
+    return next((gbps for key, gbps in NVLINK_GBPS if key in name), None)
 
 
 def bf16_compress(state, bucket):
@@ -67,8 +80,10 @@ def forward_backward(model, x, y, args, device, scaler, sync=True):
 def measure_communication(model, batches, args, env, scaler, n=3):
     """Exposed communication, measured in this run instead of read off a profiler by hand:
     n forward+backward passes with DDP's all-reduce against n under no_sync() (compute
-    only). The difference is the communication that backward did not hide. Beside it, the
-    bus bandwidth of a separately timed all-reduce of the whole gradient (fp32)."""
+    only), both one synchronised micro-step's worth. The difference is the communication
+    that backward did not hide. Beside it, the bus bandwidth of a separately timed
+    all-reduce of fp32 gradients (at most 1 GiB of them: a large model's whole gradient
+    again could run out of memory after training)."""
 
     def timed(fn):
         torch.cuda.synchronize() if env.device.type == "cuda" else None
@@ -85,7 +100,7 @@ def measure_communication(model, batches, args, env, scaler, n=3):
 
     synced = timed(lambda: step(True))
     compute = timed(lambda: step(False))
-    grads = torch.empty(sum(p.numel() for p in model.parameters()), device=env.device)
+    grads = torch.empty(min(2**28, sum(p.numel() for p in model.parameters())), device=env.device)
     dist.all_reduce(grads)  # warm-up
     seconds = timed(lambda: dist.all_reduce(grads))
     n_ranks = env.world_size
@@ -108,10 +123,7 @@ def main():
     common.check(args.comm_hook != "powersgd" or args.powersgd_start_iter >= 2, "--powersgd-start-iter must be at least 2 (PowerSGD's error feedback needs it)")
 
     # Every rank builds the same full model from the same seed.
-    raw_model = common.build_model(cfg, env.device, args.seed)
-    raw_model.activation_checkpointing = args.activation_checkpointing
-    if args.compile:
-        common.compile_blocks(raw_model)
+    raw_model = common.build_model(cfg, env.device, args)
     model = raw_model
     if env.world_size > 1:
         model = DDP(raw_model, device_ids=[env.local_rank] if env.device.type == "cuda" else None, gradient_as_bucket_view=True)
@@ -121,6 +133,8 @@ def main():
     scaler = torch.amp.GradScaler(env.device.type, enabled=args.dtype == "fp16")  # a no-op unless fp16
     ckpt = common.Checkpointer(args, raw_model, optimizer, scaler if scaler.is_enabled() else None)
     start_step = ckpt.load()
+    if start_step >= args.steps:
+        return
 
     micro_batch = args.global_batch_size // (env.world_size * args.grad_accum)
     batches = common.make_batches(args, cfg, env.device, micro_batch, env.rank, env.world_size, start_step)
@@ -150,7 +164,10 @@ def main():
     extra = {}
     if env.world_size > 1 and not stop:  # after a SIGTERM, the time left is the scheduler's
         comm_pct, bus_gbps = measure_communication(model, batches, args, env, scaler)
-        extra = {"comm_pct": comm_pct, "allreduce_busbw_gbps": bus_gbps}
+        nominal = nvlink_gbps(env.device)
+        common.log(f"exposed communication {comm_pct:.1f}% of a step; all-reduce bus bandwidth {bus_gbps:.1f} GB/s "
+                   f"(nominal NVLink per direction: {'unknown' if nominal is None else f'{nominal} GB/s'})")
+        extra = {"comm_pct": comm_pct, "allreduce_busbw_gbps": bus_gbps, "nvlink_nominal_gbps": nominal}
     tlog.finish(**extra)
 
 

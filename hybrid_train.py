@@ -14,10 +14,10 @@ parameters and gradients, every step) run over NVLink, while the pipeline's send
 activation per micro-batch) cross nodes. --mesh-order dp-pp reverses that.
 
 Launch:
-    torchrun --standalone --nproc_per_node=8 hybrid_train.py --model 2.5b --pp 2
+    torchrun --standalone --nproc_per_node=8 hybrid_train.py --model 2.5b --pp 2 --global-batch-size 32
     # two nodes of 8: a 2-stage pipeline across the nodes, 8-way data parallel inside each
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d \\
-        --rdzv_endpoint=$HEAD_NODE:29500 --rdzv_id=job1 hybrid_train.py --model 2.5b --pp 2
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 \\
+        --rdzv_id=job1 hybrid_train.py --model 2.5b --pp 2 --global-batch-size 64 --micro-batches 8
 """
 
 from contextlib import nullcontext
@@ -63,17 +63,17 @@ def replica_drift(modules, dp_mesh):
 
 def main():
     parser = common.base_parser(__doc__)
-    parser.add_argument("--pp", type=int, default=2, help="pipeline stages' ranks; data-parallel degree = world / pp (default: 2)")
+    parser.add_argument("--pp", type=common.positive, default=2, help="pipeline stages' ranks; data-parallel degree = world / pp (default: 2)")
     parser.add_argument("--dp-wrapper", choices=["fsdp", "ddp"], default="fsdp", help="how a stage's replicas stay in step (default: fsdp)")
     parser.add_argument("--mesh-order", choices=["pp-dp", "dp-pp"], default="pp-dp", help="outer-inner mesh dimensions; the inner one's ranks share a node (default: pp-dp)")
     parser.add_argument("--schedule", choices=common.SCHEDULES, default="1f1b", help="pipeline schedule (default: 1f1b)")
-    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches each replica's batch is cut into (default: 4)")
-    parser.add_argument("--stages-per-rank", type=int, help="stages each rank holds, for interleaved and zero-bubble schedules (default: 1, or 2 for those)")
+    parser.add_argument("--micro-batches", type=common.positive, default=4, help="micro-batches each replica's batch is cut into (default: 4)")
+    parser.add_argument("--stages-per-rank", type=common.positive, help="stages each rank holds, for interleaved and zero-bubble schedules (default: 1, or 2 for those)")
     parser.add_argument("--split", help="blocks per stage, comma-separated (default: even)")
     args = parser.parse_args()
     cfg = common.model_config(args)
     env = common.init_distributed(args)
-    common.check(args.pp >= 1 and env.world_size % args.pp == 0, f"world size {env.world_size} is not divisible by --pp {args.pp}")
+    common.check(env.world_size % args.pp == 0, f"world size {env.world_size} is not divisible by --pp {args.pp}")
     pp, dp = args.pp, env.world_size // args.pp
     common.check(not (args.dp_wrapper == "ddp" and args.schedule in common.ZERO_BUBBLE),
                  f"--schedule {args.schedule} writes weight gradients itself, so DDP's all-reduce hooks never fire and replicas drift apart: use --dp-wrapper fsdp")
@@ -92,16 +92,18 @@ def main():
     modules = [common.build_stage_module(cfg, args, s, n_stages, env.device) for s in stage_ids]
     wrapped = replicate(modules, args, mesh["dp"], env.device)
     stages = [PipelineStage(w, s, n_stages, env.device, group=mesh["pp"].get_group()) for w, s in zip(wrapped, stage_ids)]
-    n_microbatches = args.micro_batches * args.grad_accum
-    schedule = common.make_schedule(args, stages, args.micro_batches, lambda out, y: common.loss_fn(out, y) / n_microbatches)
+    micro_batches_per_step = args.micro_batches * args.grad_accum
+    schedule = common.make_schedule(args, stages, args.micro_batches, lambda out, y: common.loss_fn(out, y) / micro_batches_per_step)
     has_first, has_last = 0 in stage_ids, n_stages - 1 in stage_ids
     # FSDP's mixed-precision policy already computes in bf16; DDP needs autocast for it.
-    precision = common.autocast(args, env.device) if args.dp_wrapper == "ddp" else nullcontext()
+    autocast = common.autocast(args, env.device) if args.dp_wrapper == "ddp" else nullcontext()
 
     params = [p for m in modules for p in m.parameters()]
     optimizer = common.make_optimizer(params, args, env.device)
     ckpt = common.Checkpointer(args, common.merged_stages(modules), optimizer)
     start_step = ckpt.load()
+    if start_step >= args.steps:
+        return
     batches = common.make_batches(args, cfg, env.device, batch_per_call, dp_rank, dp, start_step) if has_first or has_last else None
     timer = common.ComputeTimer(env.device, optimizer, stages)
     tlog = common.TrainLog(args, env, cfg, "hybrid", start_step)
@@ -114,7 +116,7 @@ def main():
                 inputs = (x,) if has_first else ()
                 step_losses = []  # step() empties the list it is given before filling it
                 targets = {"target": y, "losses": step_losses} if has_last else {}
-                with precision:
+                with autocast:
                     schedule.step(*inputs, **targets)
                 losses += step_losses
             # The norm over every stage (pp) of the whole model (FSDP shards reduce over dp).
@@ -130,15 +132,12 @@ def main():
             if stop:
                 break
 
-    busy = common.gather_floats(timer.busy_pct(tlog.warmup_steps()), env.device)
-    theory = common.theoretical_bubble_pct(args.schedule, pp, args.micro_batches, args.stages_per_rank)
+    report = common.pipeline_report(timer, tlog, args, pp, env.device)
     drift = replica_drift(modules, mesh["dp"]) if args.dp_wrapper == "ddp" else None
-    common.log(f"busy % per rank {busy}; bubble {100 - sum(busy) / len(busy):.1f}% measured, "
-               f"{'n/a' if theory is None else f'{theory:.1f}%'} in theory" + ("" if drift is None else f"; replica drift {drift:.1e}"))
-    tlog.finish(mesh={"pp": pp, "dp": dp}, mesh_order=args.mesh_order, dp_wrapper=args.dp_wrapper, schedule=args.schedule,
-                micro_batches=args.micro_batches, stages_per_rank=args.stages_per_rank, busy_pct_per_rank=busy,
-                utilisation_pct=sum(busy) / len(busy), bubble_pct=100 - sum(busy) / len(busy),
-                bubble_pct_theory=theory, dp_replica_max_diff=drift)
+    if drift is not None:
+        common.log(f"largest difference between a stage's DDP replicas: {drift:.1e}")
+    tlog.finish(mesh={"pp": pp, "dp": dp}, mesh_order=args.mesh_order, dp_wrapper=args.dp_wrapper,
+                dp_replica_max_diff=drift, **report)
 
 
 if __name__ == "__main__":

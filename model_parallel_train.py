@@ -58,16 +58,16 @@ def main():
     env = common.init_distributed(args)
     common.refuse_fp16(args, "the loss scaler's inf check would have to agree across the model's parts")
     common.check(args.global_batch_size % args.grad_accum == 0, f"--global-batch-size {args.global_batch_size} must divide by --grad-accum {args.grad_accum}")
-    layers = common.split_layers(cfg.n_layers, env.world_size, args.split)[env.rank]
+    split = common.split_layers(cfg.n_layers, env.world_size, args.split)
+    layers = split[env.rank]
     first, last = env.rank == 0, env.rank == env.world_size - 1
 
-    model = common.build_model(cfg, env.device, args.seed, layers, embed=first, head=last)
-    model.activation_checkpointing = args.activation_checkpointing
-    if args.compile:
-        common.compile_blocks(model)
+    model = common.build_model(cfg, env.device, args, layers, embed=first, head=last)
     optimizer = common.make_optimizer(model.parameters(), args, env.device)
     ckpt = common.Checkpointer(args, model, optimizer)
     start_step = ckpt.load()
+    if start_step >= args.steps:
+        return
 
     micro_batch = args.global_batch_size // args.grad_accum
     batches = common.make_batches(args, cfg, env.device, micro_batch, start_step=start_step) if first or last else None
@@ -76,7 +76,7 @@ def main():
     timer = common.ComputeTimer(env.device, optimizer)
     forward, backward = timer.timed(model), timer.timed(torch.autograd.backward)
     tlog = common.TrainLog(args, env, cfg, "model_parallel", start_step)
-    common.log(f"blocks per rank: {[len(r) for r in common.split_layers(cfg.n_layers, env.world_size, args.split)]}")
+    common.log(f"blocks per rank: {[len(r) for r in split]}")
     with common.Profiler(args, env) as prof:
         for step in range(start_step, args.steps):
             lr = common.set_lr(optimizer, step, args)
@@ -126,7 +126,7 @@ def main():
     idle = [round(max(0.0, 100 - b - t), 2) for b, t in zip(busy, transfer)]
     for rank, (b, t, i) in enumerate(zip(busy, transfer, idle)):
         common.log(f"rank {rank}: busy {b:5.1f}% | transfers {t:5.1f}% | idle {i:5.1f}%")
-    tlog.finish(split=[len(r) for r in common.split_layers(cfg.n_layers, env.world_size, args.split)],
+    tlog.finish(split=[len(r) for r in split],
                 busy_pct_per_rank=busy, transfer_pct_per_rank=transfer, idle_pct_per_rank=idle,
                 utilisation_pct=sum(busy) / len(busy))
 

@@ -14,9 +14,9 @@ since removed; its successor is torch.distributed.pipelining, and `chunks` is
 Launch:
     torchrun --standalone --nproc_per_node=4 pipeline_train.py --model 2.5b --schedule 1f1b --micro-batches 8
     torchrun --standalone --nproc_per_node=4 pipeline_train.py --schedule interleaved-1f1b --stages-per-rank 2
-    # two nodes: on each node
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d \\
-        --rdzv_endpoint=$HEAD_NODE:29500 --rdzv_id=job1 pipeline_train.py --model 2.5b
+    # two nodes: 16 stages of 2 blocks, on each node
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 \\
+        --rdzv_id=job1 pipeline_train.py --model 2.5b --micro-batches 32 --global-batch-size 64
 """
 
 import torch
@@ -29,8 +29,8 @@ import common
 def main():
     parser = common.base_parser(__doc__)
     parser.add_argument("--schedule", choices=common.SCHEDULES, default="1f1b", help="pipeline schedule (default: 1f1b)")
-    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches each step's batch is cut into: the article's `chunks` (default: 4)")
-    parser.add_argument("--stages-per-rank", type=int, help="stages each rank holds; interleaved and zero-bubble schedules need 2 or more (default: 1, or 2 for those)")
+    parser.add_argument("--micro-batches", type=common.positive, default=4, help="micro-batches each step's batch is cut into: the article's `chunks` (default: 4)")
+    parser.add_argument("--stages-per-rank", type=common.positive, help="stages each rank holds; interleaved and zero-bubble schedules need 2 or more (default: 1, or 2 for those)")
     parser.add_argument("--split", help="blocks per stage, comma-separated, e.g. 3,5 (default: even)")
     args = parser.parse_args()
     cfg = common.model_config(args)
@@ -47,14 +47,16 @@ def main():
     stages = [PipelineStage(m, s, n_stages, env.device) for m, s in zip(modules, stage_ids)]
     # Each micro-batch's loss is divided by every micro-batch of the step, so the summed
     # gradients are the global-batch mean (the schedule itself must not divide again).
-    n_microbatches = args.micro_batches * args.grad_accum
-    schedule = common.make_schedule(args, stages, args.micro_batches, lambda out, y: common.loss_fn(out, y) / n_microbatches)
+    micro_batches_per_step = args.micro_batches * args.grad_accum
+    schedule = common.make_schedule(args, stages, args.micro_batches, lambda out, y: common.loss_fn(out, y) / micro_batches_per_step)
     has_first, has_last = 0 in stage_ids, n_stages - 1 in stage_ids
 
     params = [p for m in modules for p in m.parameters()]
     optimizer = common.make_optimizer(params, args, env.device)
     ckpt = common.Checkpointer(args, common.merged_stages(modules), optimizer)
     start_step = ckpt.load()
+    if start_step >= args.steps:
+        return
     # Only the first stage needs inputs and only the last needs targets.
     batches = common.make_batches(args, cfg, env.device, batch_per_call, start_step=start_step) if has_first or has_last else None
     timer = common.ComputeTimer(env.device, optimizer, stages)
@@ -84,13 +86,7 @@ def main():
             if stop:
                 break
 
-    busy = common.gather_floats(timer.busy_pct(tlog.warmup_steps()), env.device)
-    theory = common.theoretical_bubble_pct(args.schedule, env.world_size, args.micro_batches, args.stages_per_rank)
-    common.log(f"busy % per rank {busy}; bubble {100 - sum(busy) / len(busy):.1f}% measured, "
-               f"{'n/a' if theory is None else f'{theory:.1f}%'} in theory for {args.schedule}")
-    tlog.finish(schedule=args.schedule, micro_batches=args.micro_batches, stages_per_rank=args.stages_per_rank,
-                busy_pct_per_rank=busy, utilisation_pct=sum(busy) / len(busy),
-                bubble_pct=100 - sum(busy) / len(busy), bubble_pct_theory=theory)
+    tlog.finish(**common.pipeline_report(timer, tlog, args, env.world_size, env.device))
 
 
 if __name__ == "__main__":

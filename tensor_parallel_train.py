@@ -82,12 +82,12 @@ def tensor_parallel(model, tp_mesh, sequence_parallel):
 
 def main():
     parser = common.base_parser(__doc__)
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel (FSDP) groups; tp = world size / dp (default: 1, pure tensor parallelism)")
+    parser.add_argument("--dp", type=common.positive, default=1, help="data-parallel (FSDP) groups; tp = world size / dp (default: 1, pure tensor parallelism)")
     parser.add_argument("--sequence-parallel", action="store_true", help="split norms and the residual stream along the sequence too")
     args = parser.parse_args()
     cfg = common.model_config(args)
     env = common.init_distributed(args)
-    common.check(args.dp >= 1 and env.world_size % args.dp == 0, f"--dp {args.dp} must divide the world size {env.world_size}")
+    common.check(env.world_size % args.dp == 0, f"--dp {args.dp} must divide the world size {env.world_size}")
     tp = env.world_size // args.dp
     common.check(cfg.n_heads % tp == 0, f"{cfg.n_heads} heads cannot be split over tp {tp} (world {env.world_size} / --dp {args.dp}): tp must divide the head count")
     common.check(not args.sequence_parallel or args.seq_len % tp == 0, f"--sequence-parallel splits --seq-len {args.seq_len} over tp {tp}: it must divide evenly")
@@ -97,10 +97,7 @@ def main():
 
     mesh = common.make_mesh(env, dp=args.dp, tp=tp)
     common.log(f"mesh dp {args.dp} x tp {tp}; rank 0's tensor-parallel group: ranks {mesh['tp'].mesh.tolist()}")
-    model = common.build_model(cfg, env.device, args.seed)  # whole, then split: weights equal the single process's
-    model.activation_checkpointing = args.activation_checkpointing
-    if args.compile:
-        common.compile_blocks(model)
+    model = common.build_model(cfg, env.device, args)  # whole, then split: weights equal the single process's
     tensor_parallel(model, mesh["tp"], args.sequence_parallel)
     # FSDP over dp, per block and at the root. At --dp 1 it has nothing to shard, but it
     # still gives bf16 mixed precision as in fsdp_train.py (weights and unit inputs cast
@@ -113,6 +110,8 @@ def main():
     optimizer = common.make_optimizer(model.parameters(), args, env.device)
     ckpt = common.Checkpointer(args, model, optimizer)
     start_step = ckpt.load()
+    if start_step >= args.steps:
+        return
 
     # The tp ranks of one dp group must see the same samples: split the batch by dp rank.
     dp_rank = mesh["dp"].get_local_rank()
