@@ -44,6 +44,16 @@ def test_resume_continues_the_same_run(script, nproc, args, resume_nproc, resume
     assert_continues(resumed, full, start=2)
 
 
+def test_a_finished_run_has_nothing_to_do_and_another_batch_is_refused(tmp_path):
+    _, folder = checkpointed("ddp_train.py", 2)  # trained to its last step, 4
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    proc, records = run_script("ddp_train.py", 1, ["--checkpoint-dir", tmp_path], torchrun=False)
+    assert proc.returncode == 0 and records == [] and "nothing left to train" in proc.stdout, proc.stderr[-2000:]
+    proc, records = run_script("ddp_train.py", 1, ["--checkpoint-dir", tmp_path, "--global-batch-size", 4], torchrun=False)
+    assert proc.returncode == 2 and records == [], proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: ") and "was trained with --global-batch-size 8" in proc.stderr
+
+
 def test_hard_death_mid_save_restarts_from_the_last_complete_checkpoint(tmp_path):
     # Rank 1 is SIGKILLed after writing its part of the step-4 checkpoint, before the
     # commit: every file of step 4 may be on disk, but resume must pick step 2. Under
@@ -61,8 +71,10 @@ def test_hard_death_mid_save_restarts_from_the_last_complete_checkpoint(tmp_path
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    # The real torchrun command, with a DataLoader worker per rank: torchrun signals the
+    # whole process group, workers included.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "ddp_train.py"),
-           *TINY, "--steps", "100000", "--checkpoint-dir", str(tmp_path)]
+           *TINY, "--num-workers", "1", "--steps", "100000", "--checkpoint-dir", str(tmp_path)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 90

@@ -14,6 +14,7 @@ def test_model_parallel_matches_single_process(nproc, extra):
     run = launch("model_parallel_train.py", nproc, *extra) if extra else checkpointed("model_parallel_train.py", nproc)[0]
     assert_losses_match(run, reference())
     assert run["split"] == ([2, 6] if "--split" in extra else [8 // nproc] * nproc)
-    # Measured, per rank: shares of the step that are each within 0-100 and add up.
-    for busy, transfer, idle in zip(run["busy_pct_per_rank"], run["transfer_pct_per_rank"], run["idle_pct_per_rank"]):
-        assert 0 < busy < 100 and transfer >= 0 and busy + transfer + idle == pytest.approx(100, abs=0.1)
+    busy = run["busy_pct_per_rank"]
+    assert len(busy) == nproc and all(0 < b < 100 for b in busy) and min(run["transfer_pct_per_rank"]) > 0
+    if "--split" in extra:
+        assert busy[1] > 1.5 * busy[0], f"the rank with 3x the blocks should be the busy one: {busy}"

@@ -1,0 +1,81 @@
+"""Unit tests of common.py, in this process: the data, the model's split-independent
+weights, layer splits and the learning-rate schedule every strategy relies on."""
+
+import argparse
+import itertools
+import math
+import struct
+
+import pytest
+import torch
+
+import common
+
+ARGS = argparse.Namespace(seed=0, activation_checkpointing=False, compile=False)
+
+
+def test_a_sample_depends_only_on_seed_and_index():
+    data = common.MarkovTokens(512, 32, seed=0)
+    x, y = data[5]
+    assert torch.equal(x, common.MarkovTokens(512, 32, seed=0)[5][0])  # another worker, another rank
+    assert not torch.equal(x, data[6][0]) and not torch.equal(x, common.MarkovTokens(512, 32, seed=1)[5][0])
+    assert torch.equal(x[1:], y[:-1])  # targets are the inputs shifted by one
+    # Every step follows the chain: the next token is one of this token's 4 successors.
+    assert all(int(b) in data.successors[int(a)] for a, b in zip(x, y))
+
+
+@pytest.mark.parametrize("dp_size", [1, 2, 4])
+def test_ranks_share_out_each_global_batch_exactly(dp_size):
+    global_batch, steps = 8, 3
+    per_rank = [list(itertools.islice(common.StepSampler(global_batch, r, dp_size, start_step=1), steps * global_batch // dp_size))
+                for r in range(dp_size)]
+    local = global_batch // dp_size
+    for step in range(steps):
+        samples = sorted(i for rank in per_rank for i in rank[step * local:(step + 1) * local])
+        assert samples == list(range((step + 1) * global_batch, (step + 2) * global_batch))
+
+
+def test_token_file_windows_and_vocabulary(tmp_path):
+    path = tmp_path / "train.bin"
+    path.write_bytes(struct.pack("<1000H", *(i % 300 for i in range(1000))))  # nanoGPT's format: little-endian uint16
+    data = common.TokenFile(str(path), vocab_size=300, seq_len=16, seed=0)
+    x, y = data[3]
+    start = int(x[0])  # tokens count up (mod 300), so the first token says where the window starts
+    assert torch.equal(x, (torch.arange(start, start + 16) % 300)) and torch.equal(x[1:], y[:-1])
+    with pytest.raises(ValueError, match="vocab size 200"):
+        [common.TokenFile(str(path), vocab_size=200, seq_len=16, seed=0)[i] for i in range(20)]
+
+
+def test_a_stage_gets_exactly_the_whole_models_weights():
+    cfg = common.PRESETS["tiny"]
+    full = common.build_model(cfg, torch.device("cpu"), ARGS)
+    stage = common.build_model(cfg, torch.device("cpu"), ARGS, layers=range(4, 6), embed=False, head=False)
+    names = [n for n, _ in stage.named_parameters()]
+    assert names and all(n.startswith(("blocks.4.", "blocks.5.")) for n in names)
+    for name, p in stage.named_parameters():
+        assert torch.equal(p, full.get_parameter(name)), name
+    assert sum(p.numel() for p in full.parameters()) == common.count_params(cfg)
+
+
+def test_layer_splits():
+    assert [len(r) for r in common.split_layers(8, 3)] == [3, 3, 2]
+    assert common.split_layers(8, 2, "2,6") == [range(0, 2), range(2, 8)]
+    for n_parts, split in [(9, None), (2, "3,3"), (3, "2,6"), (2, "0,8")]:
+        with pytest.raises(common.ConfigError):
+            common.split_layers(8, n_parts, split)
+
+
+def test_learning_rate_warms_up_then_decays_to_a_tenth():
+    args = argparse.Namespace(lr=1.0, lr_warmup_steps=4, steps=20)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    lrs = [common.set_lr(optimizer, step, args) for step in range(args.steps)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0] and lrs[4] == pytest.approx(1.0)
+    assert all(a > b for a, b in zip(lrs[4:], lrs[5:])) and lrs[-1] == pytest.approx(0.1)
+    assert optimizer.param_groups[0]["lr"] == lrs[-1]
+
+
+def test_flops_count_attention_on_top_of_six_per_matmul_weight():
+    cfg = common.PRESETS["tiny"]
+    matmul_weights = sum(p.numel() for n, p in common.GPT(cfg).named_parameters() if p.dim() == 2 and "emb" not in n)
+    assert common.flops_per_token(cfg, 64) == 6 * matmul_weights + 12 * cfg.n_layers * cfg.d_model * 64
+    assert math.isclose(common.flops_per_token(common.PRESETS["2.5b"], 1024) / 1e9, 16.6, rel_tol=0.01)
