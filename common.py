@@ -598,9 +598,9 @@ class TrainLog:
     """Per-step bookkeeping, the same on every rank: agree on the global loss and on
     whether to stop, time the step, print the step line, write the results record."""
 
-    def __init__(self, args, env, cfg, strategy, start_step=0):
-        self.args, self.env, self.cfg, self.strategy = args, env, cfg, strategy
-        self.start_step = start_step
+    def __init__(self, args, env, cfg, strategy, ckpt):
+        self.args, self.env, self.cfg, self.strategy, self.ckpt = args, env, cfg, strategy, ckpt
+        self.start_step = ckpt.start_step
         self.losses, self.grad_norms, self.step_times = [], [], []
         self.flops_per_step = flops_per_token(cfg, args.seq_len) * args.global_batch_size * args.seq_len
         self.peak, self.peak_source = peak_tflops(env.device, args.dtype)
@@ -609,7 +609,7 @@ class TrainLog:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         log(f"{strategy} | world {env.world_size} on {env.device.type} | model {args.model}: {count_params(cfg) / 1e6:.1f}M parameters | "
             f"global batch {args.global_batch_size} x {args.seq_len} tokens | {args.dtype} | MFU peak: {self.peak_source}")
-        self.last = time.perf_counter()
+        self.last, self.saved_before = time.perf_counter(), ckpt.save_seconds
 
     def _on_sigterm(self, signum, frame):
         # A scheduler's time limit: finish this step, checkpoint, exit cleanly.
@@ -627,8 +627,9 @@ class TrainLog:
         loss_value, stop = packed.tolist()
         grad_norm = float(grad_norm)
         now = time.perf_counter()
-        self.step_times.append(now - self.last)
-        self.last = now
+        # A checkpoint saved after the previous step is not part of this one.
+        self.step_times.append(now - self.last - (self.ckpt.save_seconds - self.saved_before))
+        self.last, self.saved_before = now, self.ckpt.save_seconds
         if not math.isfinite(loss_value):
             raise NonFiniteLoss(f"loss is {loss_value} at step {step + 1}; lower --lr, keep --grad-clip on, or use bf16 rather than fp16")
         self.losses.append(loss_value)
@@ -760,6 +761,7 @@ class Checkpointer:
     def __init__(self, args, model, optimizer, scaler=None):
         self.args, self.dir, self.every = args, args.checkpoint_dir, args.checkpoint_every
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.start_step, self.save_seconds = 0, 0.0  # set by load(); time spent saving, for TrainLog
         if self.dir:  # imported only when used: DCP takes a second to load
             import torch.distributed.checkpoint as dcp
             import torch.distributed.checkpoint.state_dict as sd
@@ -805,7 +807,7 @@ class Checkpointer:
         self.sd.set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=self.options)
         if self.scaler is not None:
             self.scaler.load_state_dict({k.removeprefix("scaler."): v.item() for k, v in extra.items() if k.startswith("scaler.")})
-        step = int(extra["step"])
+        step = self.start_step = int(extra["step"])
         log(f"resumed from {path} at step {step}" + ("" if int(extra["steps"]) == self.args.steps else
             f" (it was run for --steps {int(extra['steps'])}: the learning-rate schedule now stretches to {self.args.steps})"))
         if step >= self.args.steps:
@@ -826,6 +828,7 @@ class Checkpointer:
         if IS_MAIN:
             os.rename(final + ".partial", final)  # the commit: from now on resume sees it
         dist.barrier()
+        self.save_seconds += time.perf_counter() - t0
         log(f"saved {final} in {time.perf_counter() - t0:.1f} s")
 
 

@@ -91,7 +91,7 @@ def main():
 
     micro_batch = args.global_batch_size // (env.world_size * args.grad_accum)
     batches = common.make_batches(args, cfg, env.device, micro_batch, env.rank, env.world_size, start_step)
-    tlog = common.TrainLog(args, env, cfg, "fsdp", start_step)
+    tlog = common.TrainLog(args, env, cfg, "fsdp", ckpt)
     grad_bytes = 0
     with common.Profiler(args, env) as prof:
         for step in range(start_step, args.steps):

@@ -75,7 +75,7 @@ def main():
     activation_shape = (micro_batch, args.seq_len, cfg.d_model)
     timer = common.ComputeTimer(env.device, optimizer)
     forward, backward = timer.timed(model), timer.timed(torch.autograd.backward)
-    tlog = common.TrainLog(args, env, cfg, "model_parallel", start_step)
+    tlog = common.TrainLog(args, env, cfg, "model_parallel", ckpt)
     common.log(f"blocks per rank: {[len(r) for r in split]}")
     with common.Profiler(args, env) as prof:
         for step in range(start_step, args.steps):

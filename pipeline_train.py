@@ -60,7 +60,7 @@ def main():
     # Only the first stage needs inputs and only the last needs targets.
     batches = common.make_batches(args, cfg, env.device, batch_per_call, start_step=start_step) if has_first or has_last else None
     timer = common.ComputeTimer(env.device, optimizer, stages)
-    tlog = common.TrainLog(args, env, cfg, "pipeline", start_step)
+    tlog = common.TrainLog(args, env, cfg, "pipeline", ckpt)
     with common.Profiler(args, env) as prof:
         for step in range(start_step, args.steps):
             lr = common.set_lr(optimizer, step, args)

@@ -117,7 +117,7 @@ def main():
     dp_rank = mesh["dp"].get_local_rank()
     micro_batch = args.global_batch_size // (args.dp * args.grad_accum)
     batches = common.make_batches(args, cfg, env.device, micro_batch, dp_rank, args.dp, start_step)
-    tlog = common.TrainLog(args, env, cfg, "tp", start_step)
+    tlog = common.TrainLog(args, env, cfg, "tp", ckpt)
     with common.Profiler(args, env) as prof:
         for step in range(start_step, args.steps):
             lr = common.set_lr(optimizer, step, args)
