@@ -874,6 +874,16 @@ SCHEDULES = {
 ZERO_BUBBLE = {"zero-bubble", "zbv"}
 
 
+def add_pipeline_args(parser):
+    """The pipeline's flags, the same in pipeline_train.py and hybrid_train.py."""
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default: 1f1b)")
+    parser.add_argument("--micro-batches", type=positive, default=4,
+                        help="micro-batches each pipeline's share of a step is cut into: the article's `chunks` (default: 4)")
+    parser.add_argument("--stages-per-rank", type=positive,
+                        help="stages each rank holds; interleaved and zero-bubble schedules need 2 or more (default: 1, or 2 for those)")
+    parser.add_argument("--split", help="blocks per stage, comma-separated, e.g. 3,5 (default: even)")
+
+
 def split_layers(n_layers, n_parts, split=None):
     """Consecutive block ranges, one per part: even by default (earlier parts take the
     remainder), or as given by `split`, a comma-separated count of blocks per part."""

@@ -66,10 +66,7 @@ def main():
     parser.add_argument("--pp", type=common.positive, default=2, help="pipeline stages' ranks; data-parallel degree = world / pp (default: 2)")
     parser.add_argument("--dp-wrapper", choices=["fsdp", "ddp"], default="fsdp", help="how a stage's replicas stay in step (default: fsdp)")
     parser.add_argument("--mesh-order", choices=["pp-dp", "dp-pp"], default="pp-dp", help="outer-inner mesh dimensions; the inner one's ranks share a node (default: pp-dp)")
-    parser.add_argument("--schedule", choices=common.SCHEDULES, default="1f1b", help="pipeline schedule (default: 1f1b)")
-    parser.add_argument("--micro-batches", type=common.positive, default=4, help="micro-batches each replica's batch is cut into (default: 4)")
-    parser.add_argument("--stages-per-rank", type=common.positive, help="stages each rank holds, for interleaved and zero-bubble schedules (default: 1, or 2 for those)")
-    parser.add_argument("--split", help="blocks per stage, comma-separated (default: even)")
+    common.add_pipeline_args(parser)  # --schedule, --micro-batches, --stages-per-rank, --split, as in pipeline_train.py
     args = parser.parse_args()
     cfg = common.model_config(args)
     env = common.init_distributed(args)

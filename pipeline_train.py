@@ -28,10 +28,7 @@ import common
 
 def main():
     parser = common.base_parser(__doc__)
-    parser.add_argument("--schedule", choices=common.SCHEDULES, default="1f1b", help="pipeline schedule (default: 1f1b)")
-    parser.add_argument("--micro-batches", type=common.positive, default=4, help="micro-batches each step's batch is cut into: the article's `chunks` (default: 4)")
-    parser.add_argument("--stages-per-rank", type=common.positive, help="stages each rank holds; interleaved and zero-bubble schedules need 2 or more (default: 1, or 2 for those)")
-    parser.add_argument("--split", help="blocks per stage, comma-separated, e.g. 3,5 (default: even)")
+    common.add_pipeline_args(parser)  # --schedule, --micro-batches, --stages-per-rank, --split
     args = parser.parse_args()
     cfg = common.model_config(args)
     env = common.init_distributed(args)
