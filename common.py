@@ -404,12 +404,8 @@ def run(main):
     code = 0
     try:
         main()
-    except ConfigError as e:
-        code = 2
-        if IS_MAIN:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-    except NonFiniteLoss as e:
-        code = 3
+    except (ConfigError, NonFiniteLoss) as e:  # every rank alike: rank 0 speaks for all
+        code = 2 if isinstance(e, ConfigError) else 3
         if IS_MAIN:
             print(f"error: {e}", file=sys.stderr, flush=True)
     except torch.OutOfMemoryError as e:
@@ -572,6 +568,12 @@ def peak_tflops(device, dtype):
         if key in name:
             return peaks.get(dtype), f"{key} {dtype} dense {peaks.get(dtype)} TFLOP/s"
     return None, f"{name} is not in common.PEAK_TFLOPS"
+
+
+def synchronize(device):
+    """Wait for the work queued on a GPU, before reading a host clock; nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def peak_memory(device):
@@ -828,8 +830,9 @@ class Checkpointer:
         if IS_MAIN:
             os.rename(final + ".partial", final)  # the commit: from now on resume sees it
         dist.barrier()
-        self.save_seconds += time.perf_counter() - t0
-        log(f"saved {final} in {time.perf_counter() - t0:.1f} s")
+        seconds = time.perf_counter() - t0
+        self.save_seconds += seconds
+        log(f"saved {final} in {seconds:.1f} s")
 
 
 # Where each injectable fault strikes; see fault_point.

@@ -86,11 +86,11 @@ def measure_communication(model, batches, args, env, scaler, n=3):
     again could run out of memory after training)."""
 
     def timed(fn):
-        torch.cuda.synchronize() if env.device.type == "cuda" else None
+        common.synchronize(env.device)
         start = time.perf_counter()
         for _ in range(n):
             fn()
-        torch.cuda.synchronize() if env.device.type == "cuda" else None
+        common.synchronize(env.device)
         return (time.perf_counter() - start) / n
 
     def step(sync):

@@ -32,7 +32,7 @@ def measure_transfer_seconds(env, shape, repeats=3):
         dist.barrier()
         if env.rank in (boundary, boundary + 1):
             peer = boundary + 1 if env.rank == boundary else boundary
-            torch.cuda.synchronize() if env.device.type == "cuda" else None
+            common.synchronize(env.device)
             start = time.perf_counter()
             for _ in range(repeats):
                 if env.rank == boundary:
@@ -41,7 +41,7 @@ def measure_transfer_seconds(env, shape, repeats=3):
                 else:
                     dist.recv(buffer, peer)
                     dist.send(buffer, peer)
-            torch.cuda.synchronize() if env.device.type == "cuda" else None
+            common.synchronize(env.device)
             seconds.append((time.perf_counter() - start) / (2 * repeats))
         else:
             seconds.append(0.0)
