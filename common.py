@@ -8,6 +8,7 @@ Nothing here is specific to one strategy: the parallelism itself lives in each
 
 import argparse
 import json
+import logging
 import math
 import os
 import random
@@ -15,6 +16,7 @@ import re
 import resource
 import signal
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -241,13 +243,12 @@ class MarkovTokens(Dataset):
 
 
 class TokenFile(Dataset):
-    """A flat binary file of uint16 token ids (nanoGPT's train.bin). Sample i is the window
-    at an offset drawn from (seed, i)."""
+    """A flat binary file of uint16 token ids (nanoGPT's train.bin), checked whole by
+    check_token_file before training. Sample i is the window at an offset drawn from (seed, i)."""
 
-    def __init__(self, path, vocab_size, seq_len, seed):
-        self.path, self.vocab_size, self.seq_len, self.seed = path, vocab_size, seq_len, seed
+    def __init__(self, path, seq_len, seed):
+        self.path, self.seq_len, self.seed = path, seq_len, seed
         self.n_tokens = os.path.getsize(path) // 2
-        check(self.n_tokens > seq_len + 1, f"--data {path} holds {self.n_tokens} tokens, fewer than --seq-len + 2")
         self.fd = None
 
     def __getitem__(self, i):
@@ -256,9 +257,23 @@ class TokenFile(Dataset):
         start = random.Random(f"{self.seed}:{i}").randrange(self.n_tokens - self.seq_len - 1)
         raw = os.pread(self.fd, 2 * (self.seq_len + 1), 2 * start)
         t = torch.frombuffer(bytearray(raw), dtype=torch.uint16).long()
-        if int(t.max()) >= self.vocab_size:
-            raise ValueError(f"{self.path} holds token id {int(t.max())} >= vocab size {self.vocab_size}; set --vocab-size")
         return t[:-1], t[1:]
+
+
+def check_token_file(path, vocab_size, seq_len):
+    """Refuse a --data file that could fail mid-run: missing, not a file, unreadable, an odd
+    byte count, too short for one sample, or holding ids beyond the vocabulary."""
+    check(os.path.exists(path), f"--data {path} does not exist")
+    check(os.path.isfile(path), f"--data {path} is not a file (give a flat file of uint16 token ids)")
+    check(os.access(path, os.R_OK), f"--data {path} is not readable")
+    size = os.path.getsize(path)
+    check(size % 2 == 0, f"--data {path} holds {size} bytes, an odd count: not a file of uint16 token ids")
+    check(size // 2 >= seq_len + 2, f"--data {path} holds {size // 2} tokens; one sample needs --seq-len + 2 = {seq_len + 2}")
+    import numpy as np  # a dependency anyway (torch's object collectives); reads the file without copying it
+
+    largest = int(np.memmap(path, dtype=np.uint16, mode="r").max())
+    check(largest < vocab_size, f"--data {path} holds token id {largest}, beyond the vocabulary of {vocab_size}: "
+          f"set --vocab-size {largest + 1} or more")
 
 
 class StepSampler(Sampler):
@@ -278,16 +293,18 @@ class StepSampler(Sampler):
             step += 1
 
 
-def _ignore_sigterm(worker_id):
-    # torchrun signals the whole process group. A worker killed by SIGTERM would make the
-    # trainer raise mid-step, before it could save; the trainer stops its workers itself.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def _leave_process_group(worker_id):
+    # torchrun stops a job by signalling each rank's process group. A DataLoader worker
+    # killed mid-step would make its trainer raise before it could checkpoint, so workers
+    # leave that group: the trainer stops them when it exits, and if the trainer dies they
+    # see their parent gone within seconds (DataLoader's own watchdog) and exit.
+    os.setpgid(0, 0)
 
 
 def make_batches(args, cfg, device, batch_size, dp_rank=0, dp_size=1, start_step=0):
     """An endless iterator of (inputs, targets) on `device`, `batch_size` samples each."""
     if args.data:
-        dataset = TokenFile(args.data, cfg.vocab_size, args.seq_len, args.seed)
+        dataset = TokenFile(args.data, args.seq_len, args.seed)
     else:
         dataset = MarkovTokens(cfg.vocab_size, args.seq_len, args.seed)
     # No persistent_workers (the article's advice): it only spares re-creating workers at
@@ -298,7 +315,7 @@ def make_batches(args, cfg, device, batch_size, dp_rank=0, dp_size=1, start_step
         sampler=StepSampler(args.global_batch_size, dp_rank, dp_size, start_step),
         num_workers=args.num_workers,
         pin_memory=device.type == "cuda",  # page-locked host memory: faster, async copies
-        worker_init_fn=_ignore_sigterm,
+        worker_init_fn=_leave_process_group,
     )
     return ((x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in loader)
 
@@ -308,20 +325,49 @@ def make_batches(args, cfg, device, batch_size, dp_rank=0, dp_size=1, start_step
 # ----------------------------------------------------------------------------
 
 
-def positive(text):
-    """argparse type: an integer of at least 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a whole number of at least 1")
-    return value
+def number(cast, low, high=math.inf, low_open=False, accepted=""):
+    """An argparse type: a finite number of `cast` within [low, high] (above low if
+    low_open). Its refusal names what would be accepted."""
+
+    def parse(text):
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or not (value > low if low_open else value >= low) or value > high:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {accepted}")
+        return value
+
+    return parse
+
+
+positive = number(int, 1, accepted="a whole number of at least 1")
+non_negative = number(int, 0, accepted="a whole number of at least 0")
+positive_float = number(float, 0, low_open=True, accepted="a finite number above 0")
+non_negative_float = number(float, 0, accepted="a finite number of at least 0")
+
+
+def block_counts(text):
+    """argparse type for --split: blocks per part, e.g. 3,5."""
+    try:
+        counts = [int(c) for c in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of block counts of at least 1, such as 3,5")
+    return counts
 
 
 class _Parser(argparse.ArgumentParser):
-    """--help and usage errors from rank 0 only, instead of once per process."""
+    """--help and usage errors from rank 0 only, instead of once per process; an error
+    is one line, like every other refusal."""
 
     def _print_message(self, message, file=None):
         if IS_MAIN:
             super()._print_message(message, file)
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see --help)\n")
 
 
 def base_parser(doc):
@@ -332,41 +378,74 @@ def base_parser(doc):
     g.add_argument("--vocab-size", type=positive, help="override the preset's vocabulary (needed when --data holds larger token ids)")
     g.add_argument("--seq-len", type=positive, help="tokens per sample (default: the preset's context length)")
     g.add_argument("--data", metavar="FILE", help="flat binary file of uint16 token ids, as nanoGPT's train.bin (default: synthetic Markov data)")
-    g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes per rank (default: 2; 0 loads in the training process)")
+    g.add_argument("--num-workers", type=non_negative, default=2, help="DataLoader worker processes per rank (default: 2; 0 loads in the training process)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=positive, default=20, help="optimizer steps (default: 20)")
     g.add_argument("--global-batch-size", type=positive, default=8, help="samples per optimizer step, summed over all ranks and micro-steps (default: 8)")
     g.add_argument("--grad-accum", type=positive, default=1, help="micro-steps per optimizer step on each data-parallel rank (default: 1)")
-    g.add_argument("--lr", type=float, help="peak learning rate (default: the preset's, 1.6e-4 for 2.5b)")
-    g.add_argument("--lr-warmup-steps", type=int, default=2, help="linear warm-up steps before cosine decay to lr/10 (default: 2)")
-    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices (default: 0.1)")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this; 0 disables (default: 1.0)")
-    g.add_argument("--seed", type=int, default=0, help="seed for weights and data (default: 0)")
+    g.add_argument("--lr", type=positive_float, help="peak learning rate (default: the preset's, 1.6e-4 for 2.5b)")
+    g.add_argument("--lr-warmup-steps", type=non_negative, default=2, help="linear warm-up steps before cosine decay to lr/10; at most --steps (default: 2)")
+    g.add_argument("--weight-decay", type=non_negative_float, default=0.1, help="AdamW weight decay on matrices (default: 0.1)")
+    g.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="clip the global gradient norm to this; 0 disables (default: 1.0)")
+    g.add_argument("--seed", type=number(int, 0, 2**32 - 1, accepted="a whole number from 0 to 4294967295"), default=0, help="seed for weights and data (default: 0)")
     g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="compute dtype under autocast; weights and optimizer stay fp32 (default: bf16 on GPUs that have it, else fp32)")
     g.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward instead of storing its activations")
     g.add_argument("--compile", action="store_true", help="torch.compile each Transformer block")
     g = p.add_argument_group("system")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA with NCCL where there is a GPU, else CPU with gloo")
-    g.add_argument("--timeout", type=float, default=600, help="seconds a collective waits for a peer before the job fails (default: 600)")
+    g.add_argument("--timeout", type=number(float, 1, 7 * 86400, accepted="a number of seconds from 1 to 604800 (a week)"), default=600,
+                   help="seconds a collective waits for a peer, and a step may take, before the job fails (default: 600)")
     g = p.add_argument_group("output")
     g.add_argument("--log-every", type=positive, default=1, help="print a step line every N steps (default: 1)")
-    g.add_argument("--timing-warmup-steps", type=int, default=3, help="first steps left out of throughput figures (default: 3)")
+    g.add_argument("--timing-warmup-steps", type=non_negative, default=3, help="first steps left out of throughput figures (default: 3)")
     g.add_argument("--profile", metavar="DIR", help="trace a few steps with torch.profiler into DIR and print the op table")
     g.add_argument("--results", metavar="FILE", help="append one JSON line with this run's figures to FILE")
-    g.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here, and resume from the newest complete one found")
-    g.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (default: 0, only on SIGTERM)")
+    g.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here (always after the last step), and resume from the newest one that loads")
+    g.add_argument("--checkpoint-every", type=non_negative, default=0, help="with --checkpoint-dir, also save every N steps (default: 0: only after the last step and on SIGTERM)")
     return p
 
 
-def model_config(args):
-    """The preset with the command line's overrides; fills in args.seq_len and args.lr."""
+def parse_args(parser):
+    """Parse the command line and check every option against the others and every file
+    and folder it names, before any process group or model exists: what cannot run is
+    refused in one line (ConfigError). Returns (args, the model's config); fills in
+    args.seq_len and args.lr from the preset where they were not given."""
+    args = parser.parse_args()
     cfg = PRESETS[args.model]
     if args.vocab_size is not None:
         cfg = replace(cfg, vocab_size=args.vocab_size)
     args.seq_len = cfg.max_seq_len if args.seq_len is None else args.seq_len
     args.lr = cfg.lr if args.lr is None else args.lr
     check(args.seq_len <= cfg.max_seq_len, f"--seq-len {args.seq_len} exceeds the {args.model} preset's context of {cfg.max_seq_len}")
-    return cfg
+    check(args.lr_warmup_steps <= args.steps, f"--lr-warmup-steps {args.lr_warmup_steps} must be at most --steps {args.steps}")
+    check(not args.checkpoint_every or args.checkpoint_dir, "--checkpoint-every needs --checkpoint-dir DIR to save into")
+    check(not args.profile or args.steps >= args.timing_warmup_steps + 4,
+          f"--profile traces 3 steps after --timing-warmup-steps {args.timing_warmup_steps} and one more: it needs --steps of at least {args.timing_warmup_steps + 4}")
+    if args.data:
+        check_token_file(args.data, cfg.vocab_size, args.seq_len)
+    for option, folder in (("--checkpoint-dir", args.checkpoint_dir), ("--profile", args.profile)):
+        if folder:
+            _check_folder(option, folder)
+    if args.results and IS_MAIN:  # only rank 0 writes it
+        _check_results_file(args.results)
+    return args, cfg
+
+
+def _check_folder(option, path):
+    """A folder every rank writes into: made if missing, refused if it cannot be."""
+    check(not os.path.exists(path) or os.path.isdir(path), f"{option} {path} is a file, not a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{option} {path} cannot be made: {e.strerror}") from None
+    check(os.access(path, os.W_OK | os.X_OK), f"{option} {path} is not writable")
+
+
+def _check_results_file(path):
+    folder = os.path.dirname(os.path.abspath(path))
+    check(os.path.isdir(folder), f"--results {path}: the folder {folder} does not exist")
+    check(not os.path.isdir(path), f"--results {path} is a folder: give a file to append the results line to")
+    check(os.access(path if os.path.exists(path) else folder, os.W_OK), f"--results {path} is not writable")
 
 
 # ----------------------------------------------------------------------------
@@ -399,20 +478,37 @@ def _lost_peer(e):
     return isinstance(e, dist.DistError) or (in_distributed and re.search(r"[Tt]imed out|[Cc]onnection|by peer", str(e)) is not None)
 
 
+_exiting = threading.Event()  # set once run() handles the end, so the Watchdog stays quiet
+
+
 def run(main):
-    """Run a script's main() and turn the failures a user can act on into one line."""
+    """Run a script's main() and turn the failures a user can act on into one line.
+    Every way out ends this process: DataLoader workers stop with it (or, if it is
+    killed, see it gone), and the Watchdog ends a process whose steps stall."""
     code = 0
     try:
         main()
     except (ConfigError, NonFiniteLoss) as e:  # every rank alike: rank 0 speaks for all
+        _exiting.set()
         code = 2 if isinstance(e, ConfigError) else 3
         if IS_MAIN:
             print(f"error: {e}", file=sys.stderr, flush=True)
     except torch.OutOfMemoryError as e:
+        _exiting.set()
         code = 1
         print(f"error: rank {RANK} ran out of memory ({str(e).splitlines()[0][:120]}): try --activation-checkpointing, "
               "a smaller --global-batch-size or more --grad-accum, or a strategy that shards the model", file=sys.stderr, flush=True)
+    except BrokenPipeError:  # `... | head`: the reader left, so nobody is listening
+        _exiting.set()
+        code = 1
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's own exit flush would fail again
+    except KeyboardInterrupt:
+        _exiting.set()
+        code = 130
+        if IS_MAIN:
+            print("interrupted", file=sys.stderr, flush=True)
     except (dist.DistError, RuntimeError) as e:
+        _exiting.set()
         if not _lost_peer(e):
             raise
         code = 1
@@ -420,9 +516,38 @@ def run(main):
         print(f"error: rank {RANK} lost a peer ({reason}): another rank died or stalled past --timeout; its log says why",
               file=sys.stderr, flush=True)
     finally:
+        _exiting.set()
         if dist.is_initialized():
             dist.destroy_process_group()
     sys.exit(code)
+
+
+class Watchdog:
+    """Ends this process when training makes no progress for --timeout seconds. A
+    collective times out only while a live peer waits in it; this also ends a job whose
+    ranks are all stuck at once (a dead filesystem, a deadlock, a hung device)."""
+
+    def __init__(self, seconds):
+        self.seconds, self.last, self.where = seconds, time.monotonic(), "the start of training"
+        threading.Thread(target=self._watch, daemon=True, name="watchdog").start()
+
+    def progress(self, where):
+        self.last, self.where = time.monotonic(), where
+
+    def stop(self):
+        self.last = None
+
+    def _watch(self):
+        while True:
+            time.sleep(min(1.0, self.seconds / 10))
+            last = self.last
+            if last is None or _exiting.is_set():
+                return
+            if time.monotonic() - last > self.seconds:
+                if IS_MAIN:  # every stuck rank ends; rank 0 says why (a live one reports a lost peer)
+                    print(f"error: no progress for {self.seconds:g} s after {self.where} (--timeout): a rank is stuck; "
+                          "if a step really takes this long, raise --timeout", file=sys.stderr, flush=True)
+                os._exit(1)
 
 
 # ----------------------------------------------------------------------------
@@ -570,6 +695,14 @@ def peak_tflops(device, dtype):
     return None, f"{name} is not in common.PEAK_TFLOPS"
 
 
+def mfu_pct(flops_per_step, seconds, peak_tflops, world_size):
+    """Model FLOPs utilisation: the model's FLOPs per step over what world_size devices
+    at their peak could do in that time (None where the peak is unknown)."""
+    if peak_tflops is None or seconds <= 0:
+        return None
+    return 100 * flops_per_step / seconds / (peak_tflops * 1e12 * world_size)
+
+
 def synchronize(device):
     """Wait for the work queued on a GPU, before reading a host clock; nothing on the CPU."""
     if device.type == "cuda":
@@ -609,6 +742,8 @@ class TrainLog:
         self.stop_requested = False
         self.peak_mem = peak_memory(env.device)
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.watchdog = Watchdog(args.timeout)
+        self.comm, self.counted_step = CommCounter(), None
         log(f"{strategy} | world {env.world_size} on {env.device.type} | model {args.model}: {count_params(cfg) / 1e6:.1f}M parameters | "
             f"global batch {args.global_batch_size} x {args.seq_len} tokens | {args.dtype} | MFU peak: {self.peak_source}")
         self.last, self.saved_before = time.perf_counter(), ckpt.save_seconds
@@ -617,9 +752,20 @@ class TrainLog:
         # A scheduler's time limit: finish this step, checkpoint, exit cleanly.
         self.stop_requested = True
 
+    def steps(self):
+        """The steps this run trains, from where a checkpoint left off. The last one's
+        communication is counted (its time is left out of throughput where other
+        steps were timed: the counter slows each op down)."""
+        for step in range(self.start_step, self.args.steps):
+            if step == self.args.steps - 1:
+                self.counted_step = step + 1
+                self.comm.__enter__()  # until end_step, so the bookkeeping all-reduce is not counted
+            yield step
+
     def end_step(self, step, loss, grad_norm, lr):
         """`loss` is this rank's share of the global-batch mean loss (the shares of all ranks
         sum to it). Returns True when a SIGTERM asks the job to stop after this step."""
+        self.comm.__exit__(None, None, None)
         fault_point("step", step + 1)
         if fault_point("loss", step + 1):
             loss = loss * float("nan")
@@ -647,26 +793,29 @@ class TrainLog:
                 f"MFU {'n/a' if mfu is None else f'{mfu:.1f}%'} | mem {mem_gib:.2f} GiB ({mem_pct:.0f}%)")
         if stop > 0:
             log(f"SIGTERM: stopping after step {step + 1}")
+        self.watchdog.progress(f"step {step + 1}")
         return stop > 0
 
     def _mfu(self, seconds):
-        if self.peak is None or seconds <= 0:
-            return None
-        return 100 * self.flops_per_step / seconds / (self.peak * 1e12 * self.env.world_size)
+        return mfu_pct(self.flops_per_step, seconds, self.peak, self.env.world_size)
 
-    def warmup_steps(self):
-        """How many of this run's first steps throughput figures leave out (never all)."""
-        return max(0, min(self.args.timing_warmup_steps, len(self.step_times) - 1))
+    def timed(self, per_step):
+        """The entries of a per-step list that throughput figures use: not the first
+        --timing-warmup-steps, nor the counted last step, unless nothing else is left."""
+        start = max(0, min(self.args.timing_warmup_steps, len(per_step) - 1))
+        counted = self.counted_step is not None and len(per_step) - start > 1 and self.start_step + len(per_step) == self.counted_step
+        return per_step[start:len(per_step) - 1 if counted else len(per_step)]
 
     def throughput(self):
-        """Samples/s over the steps after the timing warm-up (at least the last step)."""
-        timed = self.step_times[self.warmup_steps():]
+        """(samples/s, seconds per step) over the timed steps."""
+        timed = self.timed(self.step_times)
         seconds = sum(timed) / len(timed) if timed else float("nan")
         return self.args.global_batch_size / seconds, seconds
 
     def finish(self, **extra):
         """Summary line and, with --results, one JSON line from rank 0. Every rank must call
         it: peak memory (training's, up to the last step) is the largest over ranks."""
+        self.watchdog.stop()
         mem = torch.tensor(self.peak_mem, device=self.env.device)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         mem_gib, mem_pct = mem.tolist()
@@ -691,6 +840,7 @@ class TrainLog:
             "peak_mem_gib": mem_gib,
             "mem_pct": mem_pct,
             "comm_pct": None,
+            "comm_per_step": None if self.counted_step is None else self.comm.record(),  # the last step's, see steps()
             "torch_version": torch.__version__,
             **extra,
             "config": vars(self.args),
@@ -702,6 +852,104 @@ class TrainLog:
             with open(self.args.results, "a") as f:
                 f.write(json.dumps(record) + "\n")
         return record
+
+
+# ----------------------------------------------------------------------------
+# Communication, counted: what one optimizer step hands the process group
+# ----------------------------------------------------------------------------
+
+# op -> (kind, which argument holds the collective's whole buffer). The buffer is
+# nccl-tests' "size": an all-reduce's tensor, an all-gather's output, a reduce-scatter's
+# input, one message of a send or receive; ring factors turn it into time on the wire.
+# c10d ops carry their process group; functional collectives (DTensor's) its name.
+_COLLECTIVES = {
+    "c10d.allreduce_": ("all_reduce", 0), "c10d.allreduce_coalesced_": ("all_reduce", 0),
+    "c10d.allgather_": ("all_gather", 0), "c10d._allgather_base_": ("all_gather", 0),
+    "c10d.allgather_coalesced_": ("all_gather", 0), "c10d.allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "c10d.reduce_scatter_": ("reduce_scatter", 1), "c10d._reduce_scatter_base_": ("reduce_scatter", 1),
+    "c10d.reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "c10d.broadcast_": ("broadcast", 0), "c10d.reduce_": ("reduce", 0),
+    "c10d.alltoall_": ("all_to_all", 1), "c10d.alltoall_base_": ("all_to_all", 1),
+    "c10d.send": ("send", 0), "c10d.recv_": ("recv", 0), "c10d.recv_any_source_": ("recv", 0),
+    "_c10d_functional.all_reduce": ("all_reduce", 0), "_c10d_functional.all_reduce_": ("all_reduce", 0),
+    "_c10d_functional.all_reduce_coalesced": ("all_reduce", 0),
+    "_c10d_functional.all_gather_into_tensor": ("all_gather", 0), "_c10d_functional.all_gather_into_tensor_out": ("all_gather", 0),
+    "_c10d_functional.all_gather_into_tensor_coalesced": ("all_gather", 0),
+    "_c10d_functional.reduce_scatter_tensor": ("reduce_scatter", 0),
+    "_c10d_functional.reduce_scatter_tensor_coalesced": ("reduce_scatter", 0),
+    "_c10d_functional.all_to_all_single": ("all_to_all", 0),
+    "_c10d_functional.broadcast": ("broadcast", 0), "_c10d_functional.broadcast_": ("broadcast", 0),
+}
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [t for item in x for t in _tensors(item)] if isinstance(x, (list, tuple)) else []
+
+
+def _group_size(func_name, args):
+    if func_name.startswith("_c10d_functional."):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(args[-1]).size()
+    group = next(a for a in args if isinstance(a, torch.ScriptObject))
+    return dist.ProcessGroup.unbox(group).size()
+
+
+def comm_kinds():
+    """The counter's vocabulary (for tests and the sweep)."""
+    return sorted({kind for kind, _ in _COLLECTIVES.values()})
+
+
+class CommCounter:
+    """Counts every collective and point-to-point transfer this rank starts while it is
+    on: what it is, its group's size, its dtype, and its buffer's bytes. It sees them at
+    the dispatcher (a TorchDispatchMode, as torch's CommDebugMode), so DDP's reducer,
+    FSDP's hooks, DTensor's redistributions and the pipeline's sends are all counted as
+    they really run, not as a formula says they should. Costly per op, so TrainLog turns
+    it on for one step only."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                dtensor = sys.modules.get("torch.distributed.tensor")
+                if dtensor is not None and any(issubclass(t, dtensor.DTensor) for t in types):
+                    return NotImplemented  # let DTensor turn itself into the collectives it needs
+                name = str(func.overloadpacket)
+                if name in _COLLECTIVES:
+                    counter.add(name, args)
+                return func(*args, **(kwargs or {}))
+
+        self.mode, self.totals, self.on = Mode(), {}, False
+
+    def add(self, name, args):
+        kind, buffer_arg = _COLLECTIVES[name]
+        tensors = _tensors(args[buffer_arg])
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        if name.startswith("_c10d_functional.all_gather"):
+            nbytes *= args[1]  # given the shard: the gathered buffer is group_size shards
+        key = (kind, _group_size(name, args), str(tensors[0].dtype).removeprefix("torch.") if tensors else "none")
+        calls, total = self.totals.get(key, (0, 0))
+        self.totals[key] = (calls + 1, total + nbytes)
+
+    def __enter__(self):
+        self.on = True
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            self.on = False
+            self.mode.__exit__(*exc)
+
+    def record(self):
+        """One entry per (kind, group size, dtype), for the results line."""
+        return [{"kind": k, "group_size": n, "dtype": d, "calls": c, "bytes": b} for (k, n, d), (c, b) in sorted(self.totals.items())]
 
 
 class Profiler:
@@ -749,19 +997,25 @@ class Checkpointer:
 
     A checkpoint is written to step_N.partial/ and renamed to step_N/ only after every rank
     has finished, so a crash mid-save leaves the previous checkpoint the newest complete one.
+    The last step is always saved, so a finished run started again has nothing to do.
+    Resume takes the newest checkpoint that loads: one that does not (a truncated shard,
+    garbled metadata) is moved aside to step_N.unreadable, said in one line, and the one
+    before it is tried; nothing is ever deleted.
+
     The folder must be one every rank sees (a shared filesystem); rank 0 decides what is in
     it, so ranks never disagree over a directory listing. `model` must carry global
     parameter names (blocks keyed by global index), so ranks holding different parts never
     write the same name; optimizer state is keyed by those names too, which lets DCP
-    reshard to another world size. Step and run shape are stored as tensors, but DCP reads
-    its metadata with pickle: a checkpoint is trusted input, like code.
+    reshard to another world size. Step, run and model shape are stored as tensors, but DCP
+    reads its metadata with pickle: a checkpoint is trusted input, like code.
     """
 
     # What must match for a resume to continue the same run (the data position is step x batch).
     RUN_SHAPE = ("global_batch_size", "seed")
+    MODEL_SHAPE = ("n_layers", "n_heads", "d_model", "vocab_size", "max_seq_len")
 
-    def __init__(self, args, model, optimizer, scaler=None):
-        self.args, self.dir, self.every = args, args.checkpoint_dir, args.checkpoint_every
+    def __init__(self, args, cfg, model, optimizer, scaler=None):
+        self.args, self.cfg, self.dir, self.every = args, cfg, args.checkpoint_dir, args.checkpoint_every
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.start_step, self.save_seconds = 0, 0.0  # set by load(); time spent saving, for TrainLog
         if self.dir:  # imported only when used: DCP takes a second to load
@@ -771,15 +1025,19 @@ class Checkpointer:
             self.dcp, self.sd = dcp, sd
             self.options = sd.StateDictOptions(flatten_optimizer_state_dict=True)
 
-    def _state(self, step):
+    def _extra(self, step):
         extra = {"step": torch.tensor(step), "steps": torch.tensor(self.args.steps)}
         extra |= {k: torch.tensor(getattr(self.args, k)) for k in self.RUN_SHAPE}
+        extra |= {f"model.{k}": torch.tensor(getattr(self.cfg, k)) for k in self.MODEL_SHAPE}
         if self.scaler is not None:
             extra |= {f"scaler.{k}": torch.tensor(v) for k, v in self.scaler.state_dict().items()}
+        return extra
+
+    def _state(self, step):
         return {
             "model": self.sd.get_model_state_dict(self.model),
             "optim": self.sd.get_optimizer_state_dict(self.model, self.optimizer, options=self.options),
-            "extra": extra,
+            "extra": self._extra(step),
         }
 
     def _on_rank0(self, fn):
@@ -788,37 +1046,65 @@ class Checkpointer:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _latest(self):
+    def _complete(self):
+        """The committed checkpoints, newest first."""
         if not os.path.isdir(self.dir):
-            return None
-        steps = [int(m.group(1)) for d in os.listdir(self.dir) if (m := re.fullmatch(r"step_(\d+)", d))]
-        return os.path.join(self.dir, f"step_{max(steps):08d}") if steps else None
+            return []
+        steps = sorted((int(m.group(1)) for d in os.listdir(self.dir) if (m := re.fullmatch(r"step_(\d+)", d))), reverse=True)
+        return [os.path.join(self.dir, f"step_{s:08d}") for s in steps]
 
-    def load(self):
-        """Restore the newest complete checkpoint; return the step to continue from (0 if none)."""
-        path = self._on_rank0(self._latest) if self.dir else None
-        if path is None:
-            return 0
-        state = self._state(0)
-        self.dcp.load(state, checkpoint_id=path)
-        extra = state["extra"]
+    def _check_shape(self, path, extra):
+        for k in self.MODEL_SHAPE:
+            check(int(extra[f"model.{k}"]) == getattr(self.cfg, k), f"{path} holds a model with {k} {int(extra[f'model.{k}'])}, "
+                  f"this run's has {getattr(self.cfg, k)} (--model {self.args.model}, --vocab-size): resume with the same, or use another --checkpoint-dir")
         for k in self.RUN_SHAPE:
             check(int(extra[k]) == getattr(self.args, k), f"{path} was trained with --{k.replace('_', '-')} {int(extra[k])}: "
                   f"resume with the same, or use another --checkpoint-dir")
-        self.sd.set_model_state_dict(self.model, state["model"])
-        self.sd.set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=self.options)
-        if self.scaler is not None:
-            self.scaler.load_state_dict({k.removeprefix("scaler."): v.item() for k, v in extra.items() if k.startswith("scaler.")})
-        step = self.start_step = int(extra["step"])
-        log(f"resumed from {path} at step {step}" + ("" if int(extra["steps"]) == self.args.steps else
-            f" (it was run for --steps {int(extra['steps'])}: the learning-rate schedule now stretches to {self.args.steps})"))
-        if step >= self.args.steps:
-            log(f"nothing left to train: --steps {self.args.steps}")
-        return step
+
+    def load(self):
+        """Restore the newest checkpoint that loads; return the step to continue from (0 if none)."""
+        for path in self._on_rank0(self._complete) if self.dir else []:
+            logging.disable(logging.WARNING)  # DCP logs each failed read with a traceback on the root logger
+            try:
+                extra = {"extra": {k: torch.zeros_like(v) for k, v in self._extra(0).items()}}
+                self.dcp.load(extra, checkpoint_id=path)  # first only what it is: refuse another model before its tensors
+                self._check_shape(path, extra["extra"])
+                state = self._state(0)
+                self.dcp.load(state, checkpoint_id=path)  # DCP raises on every rank when any rank's read fails
+            except ConfigError:
+                raise
+            except (Exception, self.dcp.CheckpointException) as e:  # unreadable (DCP's error is a BaseException): set it aside, try the one before
+                aside = self._on_rank0(lambda: self._set_aside(path))
+                log(f"skipping {path}: it does not load ({_load_error(e)}); moved to {aside}, trying the one before")
+                continue
+            finally:
+                logging.disable(logging.NOTSET)
+            extra = state["extra"]
+            self.sd.set_model_state_dict(self.model, state["model"])
+            self.sd.set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=self.options)
+            if self.scaler is not None:
+                self.scaler.load_state_dict({k.removeprefix("scaler."): v.item() for k, v in extra.items() if k.startswith("scaler.")})
+            step = self.start_step = int(extra["step"])
+            log(f"resumed from {path} at step {step}" + ("" if int(extra["steps"]) == self.args.steps else
+                f" (it was run for --steps {int(extra['steps'])}: the learning-rate schedule now stretches to {self.args.steps})"))
+            if step >= self.args.steps:
+                log(f"nothing left to train: --steps {self.args.steps}")
+            return step
+        return 0
+
+    @staticmethod
+    def _set_aside(path):
+        aside, n = f"{path}.unreadable", 1
+        while os.path.exists(aside):
+            n += 1
+            aside = f"{path}.unreadable-{n}"
+        os.rename(path, aside)
+        return aside
 
     def maybe_save(self, step, force=False):
-        """Save after `step` optimizer steps if it is due (or forced, e.g. by SIGTERM)."""
-        if not self.dir or not (force or (self.every and step % self.every == 0)):
+        """Save after `step` optimizer steps if it is due: every --checkpoint-every steps,
+        after the last step, or when forced (SIGTERM)."""
+        if not self.dir or not (force or step == self.args.steps or (self.every and step % self.every == 0)):
             return
         final = os.path.join(self.dir, f"step_{step:08d}")
         if self._on_rank0(lambda: os.path.isdir(final)):
@@ -835,13 +1121,24 @@ class Checkpointer:
         log(f"saved {final} in {seconds:.1f} s")
 
 
+def _load_error(e):
+    """What failed in a checkpoint load, in a few words: DCP's own exception gathers
+    every rank's, and the first says enough."""
+    rank = None
+    if hasattr(e, "failures") and e.failures:
+        rank, (e, _) = next(iter(e.failures.items()))
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}{'' if rank is None else f' on rank {rank}'}{': ' + text[0][:160] if text else ''}"
+
+
 # Where each injectable fault strikes; see fault_point.
-_FAULT_PLACES = {"kill": "step", "hang": "step", "nan": "loss", "kill-in-save": "save"}
+_FAULT_PLACES = {"kill": "step", "hang": "step", "raise": "step", "nan": "loss", "kill-in-save": "save"}
 
 
 def fault_point(where, step):
     """Fault injection for the tests, from the environment: TRAIN_FAULT=KIND:STEP[:RANK].
-    kill: SIGKILL during STEP; hang: stop answering during STEP; nan: the loss of STEP
+    kill: SIGKILL during STEP; hang: stop answering during STEP; raise: an exception
+    nobody catches (a bug) during STEP; nan: the loss of STEP
     becomes NaN; kill-in-save: SIGKILL after writing the checkpoint taken after STEP,
     before it is committed. STEP counts from 1, as in the log; RANK defaults to every
     rank. Only on a job's first attempt, so an elastic restart runs clean."""
@@ -854,6 +1151,8 @@ def fault_point(where, step):
     print(f"fault injection: {kind} on rank {RANK} at step {step}", file=sys.stderr, flush=True)
     if kind in ("kill", "kill-in-save"):
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "raise":
+        raise RuntimeError(f"fault injection: an uncaught error at step {step}")
     if kind == "hang":
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a hung peer still dies when torchrun ends the job
         while True:
@@ -884,16 +1183,17 @@ def add_pipeline_args(parser):
                         help="micro-batches each pipeline's share of a step is cut into: the article's `chunks` (default: 4)")
     parser.add_argument("--stages-per-rank", type=positive,
                         help="stages each rank holds; interleaved and zero-bubble schedules need 2 or more (default: 1, or 2 for those)")
-    parser.add_argument("--split", help="blocks per stage, comma-separated, e.g. 3,5 (default: even)")
+    parser.add_argument("--split", type=block_counts, help="blocks per stage, comma-separated, e.g. 3,5 (default: even)")
 
 
 def split_layers(n_layers, n_parts, split=None):
     """Consecutive block ranges, one per part: even by default (earlier parts take the
-    remainder), or as given by `split`, a comma-separated count of blocks per part."""
+    remainder), or as given by `split`, a list of blocks per part (--split 3,5)."""
     if split:
-        counts = [int(c) for c in split.split(",")]
-        check(len(counts) == n_parts, f"--split {split} names {len(counts)} parts, but there are {n_parts}")
-        check(min(counts) > 0 and sum(counts) == n_layers, f"--split {split} must give every part at least one block and {n_layers} in all")
+        given = ",".join(map(str, split))
+        check(len(split) == n_parts, f"--split {given} names {len(split)} parts, but there are {n_parts}")
+        check(sum(split) == n_layers, f"--split {given} must give every part at least one block and {n_layers} in all")
+        counts = split
     else:
         check(n_parts <= n_layers, f"{n_parts} pipeline stages but only {n_layers} blocks: use fewer ranks or stages, or a deeper model")
         counts = [n_layers // n_parts + (i < n_layers % n_parts) for i in range(n_parts)]
@@ -970,34 +1270,40 @@ def theoretical_bubble_pct(schedule, pp_size, n_microbatches, stages_per_rank):
     return 100 * (pp_size - 1) / (stages_per_rank * n_microbatches + pp_size - 1)
 
 
-def pipeline_report(timer, tlog, args, pp_size, device):
+def pipeline_report(timer, tlog, args, schedule, pp_size, device):
     """Measured busy % per rank and bubble beside the schedule's theory: the results
     fields pipeline_train.py and hybrid_train.py both report (a collective)."""
-    busy = gather_floats(timer.busy_pct(tlog.warmup_steps()), device)
+    busy = gather_floats(timer.busy_pct(tlog.timed), device)
     utilisation = sum(busy) / len(busy)
     theory = theoretical_bubble_pct(args.schedule, pp_size, args.micro_batches, args.stages_per_rank)
     log(f"busy % per rank {busy}; bubble {100 - utilisation:.1f}% measured, {'n/a' if theory is None else f'{theory:.1f}%'} "
         f"in theory for {args.schedule} with {pp_size} ranks x {args.stages_per_rank} stages and {args.micro_batches} micro-batches")
     return {"schedule": args.schedule, "micro_batches": args.micro_batches, "stages_per_rank": args.stages_per_rank,
+            "schedule_class": type(schedule).__name__, "actions_last_step": timer.last_actions,
             "busy_pct_per_rank": busy, "utilisation_pct": utilisation, "bubble_pct": 100 - utilisation, "bubble_pct_theory": theory}
 
 
 class ComputeTimer:
     """Time this rank's compute (each micro-batch's forward, backward and weight gradient,
     and the optimizer step), to measure utilisation rather than assume it. CUDA events on
-    a GPU: the host only queues the work."""
+    a GPU: the host only queues the work. Also keeps the order in which the schedule ran
+    a step's actions on this rank ("F1:0" is stage 1's forward of micro-batch 0; B a whole
+    backward, I its input-gradient half, W its weight-gradient half)."""
 
     def __init__(self, device, optimizer, stages=()):
         self.cuda = device.type == "cuda"
-        self.spans, self.busy = [], []
+        self.spans, self.busy, self.actions, self.last_actions = [], [], [], []
         for stage in stages:
-            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                setattr(stage, name, self.timed(getattr(stage, name)))
+            for name, letter in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
+                setattr(stage, name, self.timed(getattr(stage, name), letter, stage.stage_index))
         optimizer.register_step_pre_hook(lambda *_: self.spans.append((self._mark(), None)))
         optimizer.register_step_post_hook(lambda *_: self.spans.append((self.spans.pop()[0], self._mark())))
 
-    def timed(self, fn):
+    def timed(self, fn, letter=None, stage_index=None):
         def wrapper(*args, **kwargs):
+            if letter is not None:  # args[0] is the micro-batch
+                half = letter == "B" and not kwargs.get("full_backward", True)
+                self.actions.append(f"{'I' if half else letter}{stage_index}:{args[0]}")
             start = self._mark()
             try:
                 return fn(*args, **kwargs)
@@ -1018,11 +1324,10 @@ class ComputeTimer:
             seconds = sum(a.elapsed_time(b) for a, b in self.spans) / 1000
         else:
             seconds = sum(b - a for a, b in self.spans)
-        self.spans = []
+        self.spans, self.last_actions, self.actions = [], self.actions, []
         self.busy.append(seconds / step_seconds)
 
-    def busy_pct(self, skip):
-        """Mean busy % of this rank over the steps after the first `skip`."""
-        timed = self.busy[skip:]
-        return 100 * sum(timed) / len(timed)
-
+    def busy_pct(self, timed):
+        """Mean busy % of this rank over the steps `timed` (TrainLog.timed) selects."""
+        busy = timed(self.busy)
+        return 100 * sum(busy) / len(busy)

@@ -103,24 +103,30 @@ def measure_communication(model, batches, args, env, scaler, n=3):
     grads = torch.empty(min(2**28, sum(p.numel() for p in model.parameters())), device=env.device)
     dist.all_reduce(grads)  # warm-up
     seconds = timed(lambda: dist.all_reduce(grads))
-    n_ranks = env.world_size
-    bus_gbps = grads.numel() * 4 * 2 * (n_ranks - 1) / n_ranks / seconds / 1e9
-    return max(0.0, 100 * (1 - compute / synced)), bus_gbps
+    return exposed_comm_pct(synced, compute), allreduce_busbw_gbps(grads.numel() * 4, env.world_size, seconds)
+
+
+def exposed_comm_pct(synced_seconds, compute_seconds):
+    """The share of a synchronised step that communication added on top of compute."""
+    return max(0.0, 100 * (1 - compute_seconds / synced_seconds))
+
+
+def allreduce_busbw_gbps(nbytes, n_ranks, seconds):
+    """nccl-tests' bus bandwidth: a ring all-reduce moves 2(n-1)/n of the buffer per rank."""
+    return nbytes * 2 * (n_ranks - 1) / n_ranks / seconds / 1e9
 
 
 def main():
     parser = common.base_parser(__doc__)
     parser.add_argument("--comm-hook", choices=["none", "fp16", "bf16", "powersgd"], default="none",
                         help="compress gradients before the all-reduce (default: none); all work on NCCL and gloo")
-    parser.add_argument("--powersgd-start-iter", type=int, default=10,
+    parser.add_argument("--powersgd-start-iter", type=common.number(int, 2, accepted="a whole number of at least 2 (PowerSGD's error feedback needs it)"), default=10,
                         help="with --comm-hook powersgd: plain all-reduce for this many optimizer steps first; at least 2 (default: 10)")
-    args = parser.parse_args()
-    cfg = common.model_config(args)
+    args, cfg = common.parse_args(parser)
     env = common.init_distributed(args)
     common.check(args.global_batch_size % (env.world_size * args.grad_accum) == 0,
                  f"--global-batch-size {args.global_batch_size} must divide evenly over {env.world_size} ranks x --grad-accum {args.grad_accum}")
     common.check(args.comm_hook == "none" or env.world_size > 1, "--comm-hook needs more than one rank: at world size 1 nothing is communicated")
-    common.check(args.comm_hook != "powersgd" or args.powersgd_start_iter >= 2, "--powersgd-start-iter must be at least 2 (PowerSGD's error feedback needs it)")
 
     # Every rank builds the same full model from the same seed.
     raw_model = common.build_model(cfg, env.device, args)
@@ -131,7 +137,7 @@ def main():
 
     optimizer = common.make_optimizer(model.parameters(), args, env.device)
     scaler = torch.amp.GradScaler(env.device.type, enabled=args.dtype == "fp16")  # a no-op unless fp16
-    ckpt = common.Checkpointer(args, raw_model, optimizer, scaler if scaler.is_enabled() else None)
+    ckpt = common.Checkpointer(args, cfg, raw_model, optimizer, scaler if scaler.is_enabled() else None)
     start_step = ckpt.load()
     if start_step >= args.steps:
         return
@@ -141,7 +147,7 @@ def main():
     tlog = common.TrainLog(args, env, cfg, "ddp", ckpt)
     stop = False
     with common.Profiler(args, env) as prof:
-        for step in range(start_step, args.steps):
+        for step in tlog.steps():
             lr = common.set_lr(optimizer, step, args)
             loss = torch.zeros((), device=env.device)
             for micro in range(args.grad_accum):

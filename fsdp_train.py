@@ -54,8 +54,7 @@ def main():
                              "(ZeRO-3, the default); --no-reshard-after-forward keeps them until backward (ZeRO-2-like)")
     parser.add_argument("--cpu-offload", action="store_true",
                         help="keep parameter, gradient and optimizer-state shards on the CPU and step the optimizer there")
-    args = parser.parse_args()
-    cfg = common.model_config(args)
+    args, cfg = common.parse_args(parser)
     # Offloaded gradients stay on the CPU, where clipping reduces their norm: that needs
     # gloo beside NCCL.
     env = common.init_distributed(args, cpu_collectives=args.cpu_offload)
@@ -84,7 +83,7 @@ def main():
         torch.cuda.reset_peak_memory_stats(env.device)
 
     optimizer = common.make_optimizer(model.parameters(), args, torch.device("cpu") if args.cpu_offload else env.device)
-    ckpt = common.Checkpointer(args, model, optimizer)
+    ckpt = common.Checkpointer(args, cfg, model, optimizer)
     start_step = ckpt.load()
     if start_step >= args.steps:
         return
@@ -94,7 +93,7 @@ def main():
     tlog = common.TrainLog(args, env, cfg, "fsdp", ckpt)
     grad_bytes = 0
     with common.Profiler(args, env) as prof:
-        for step in range(start_step, args.steps):
+        for step in tlog.steps():
             lr = common.set_lr(optimizer, step, args)
             loss = torch.zeros((), device=env.device)
             for _ in range(args.grad_accum):

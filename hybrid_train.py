@@ -67,8 +67,7 @@ def main():
     parser.add_argument("--dp-wrapper", choices=["fsdp", "ddp"], default="fsdp", help="how a stage's replicas stay in step (default: fsdp)")
     parser.add_argument("--mesh-order", choices=["pp-dp", "dp-pp"], default="pp-dp", help="outer-inner mesh dimensions; the inner one's ranks share a node (default: pp-dp)")
     common.add_pipeline_args(parser)  # --schedule, --micro-batches, --stages-per-rank, --split, as in pipeline_train.py
-    args = parser.parse_args()
-    cfg = common.model_config(args)
+    args, cfg = common.parse_args(parser)
     env = common.init_distributed(args)
     common.check(env.world_size % args.pp == 0, f"world size {env.world_size} is not divisible by --pp {args.pp}")
     pp, dp = args.pp, env.world_size // args.pp
@@ -97,7 +96,7 @@ def main():
 
     params = [p for m in modules for p in m.parameters()]
     optimizer = common.make_optimizer(params, args, env.device)
-    ckpt = common.Checkpointer(args, common.merged_stages(modules), optimizer)
+    ckpt = common.Checkpointer(args, cfg, common.merged_stages(modules), optimizer)
     start_step = ckpt.load()
     if start_step >= args.steps:
         return
@@ -105,7 +104,7 @@ def main():
     timer = common.ComputeTimer(env.device, optimizer, stages)
     tlog = common.TrainLog(args, env, cfg, "hybrid", ckpt)
     with common.Profiler(args, env) as prof:
-        for step in range(start_step, args.steps):
+        for step in tlog.steps():
             lr = common.set_lr(optimizer, step, args)
             losses = []
             for _ in range(args.grad_accum):
@@ -129,11 +128,13 @@ def main():
             if stop:
                 break
 
-    report = common.pipeline_report(timer, tlog, args, pp, env.device)
+    report = common.pipeline_report(timer, tlog, args, schedule, pp, env.device)
     drift = replica_drift(modules, mesh["dp"]) if args.dp_wrapper == "ddp" else None
     if drift is not None:
         common.log(f"largest difference between a stage's DDP replicas: {drift:.1e}")
-    tlog.finish(mesh={"pp": pp, "dp": dp}, mesh_order=args.mesh_order, dp_wrapper=args.dp_wrapper,
+    # Which ranks really are this rank's peers in each group: the mesh order's effect.
+    groups = {dim: dist.get_process_group_ranks(mesh[dim].get_group()) for dim in ("pp", "dp")}
+    tlog.finish(mesh={"pp": pp, "dp": dp}, mesh_order=args.mesh_order, dp_wrapper=args.dp_wrapper, group_ranks=groups,
                 dp_replica_max_diff=drift, **report)
 
 

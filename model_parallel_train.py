@@ -52,9 +52,8 @@ def measure_transfer_seconds(env, shape, repeats=3):
 
 def main():
     parser = common.base_parser(__doc__)
-    parser.add_argument("--split", help="blocks per rank, comma-separated, e.g. 2,6 (default: even)")
-    args = parser.parse_args()
-    cfg = common.model_config(args)
+    parser.add_argument("--split", type=common.block_counts, help="blocks per rank, comma-separated, e.g. 2,6 (default: even)")
+    args, cfg = common.parse_args(parser)
     env = common.init_distributed(args)
     common.refuse_fp16(args, "the loss scaler's inf check would have to agree across the model's parts")
     common.check(args.global_batch_size % args.grad_accum == 0, f"--global-batch-size {args.global_batch_size} must divide by --grad-accum {args.grad_accum}")
@@ -64,7 +63,7 @@ def main():
 
     model = common.build_model(cfg, env.device, args, layers, embed=first, head=last)
     optimizer = common.make_optimizer(model.parameters(), args, env.device)
-    ckpt = common.Checkpointer(args, model, optimizer)
+    ckpt = common.Checkpointer(args, cfg, model, optimizer)
     start_step = ckpt.load()
     if start_step >= args.steps:
         return
@@ -78,7 +77,7 @@ def main():
     tlog = common.TrainLog(args, env, cfg, "model_parallel", ckpt)
     common.log(f"blocks per rank: {[len(r) for r in split]}")
     with common.Profiler(args, env) as prof:
-        for step in range(start_step, args.steps):
+        for step in tlog.steps():
             lr = common.set_lr(optimizer, step, args)
             loss_sum = torch.zeros((), device=env.device)
             for _ in range(args.grad_accum):
@@ -119,7 +118,7 @@ def main():
     # crossings a step makes), and waiting for the others (the rest of the step).
     _, step_seconds = tlog.throughput()
     to_previous, to_next = measure_transfer_seconds(env, activation_shape)
-    busy_pct = timer.busy_pct(tlog.warmup_steps())
+    busy_pct = timer.busy_pct(tlog.timed)
     transfer_pct = 100 * 2 * args.grad_accum * (to_previous + to_next) / step_seconds  # forward and backward
     busy = common.gather_floats(busy_pct, env.device)
     transfer = common.gather_floats(transfer_pct, env.device)

@@ -29,8 +29,7 @@ import common
 def main():
     parser = common.base_parser(__doc__)
     common.add_pipeline_args(parser)  # --schedule, --micro-batches, --stages-per-rank, --split
-    args = parser.parse_args()
-    cfg = common.model_config(args)
+    args, cfg = common.parse_args(parser)
     env = common.init_distributed(args)
     n_stages = common.check_pipeline_args(args, env.world_size)
     common.split_layers(cfg.n_layers, n_stages, args.split)  # refuses a split that cannot be
@@ -50,7 +49,7 @@ def main():
 
     params = [p for m in modules for p in m.parameters()]
     optimizer = common.make_optimizer(params, args, env.device)
-    ckpt = common.Checkpointer(args, common.merged_stages(modules), optimizer)
+    ckpt = common.Checkpointer(args, cfg, common.merged_stages(modules), optimizer)
     start_step = ckpt.load()
     if start_step >= args.steps:
         return
@@ -59,7 +58,7 @@ def main():
     timer = common.ComputeTimer(env.device, optimizer, stages)
     tlog = common.TrainLog(args, env, cfg, "pipeline", ckpt)
     with common.Profiler(args, env) as prof:
-        for step in range(start_step, args.steps):
+        for step in tlog.steps():
             lr = common.set_lr(optimizer, step, args)
             losses = []  # one per micro-batch, on the rank holding the last stage
             for _ in range(args.grad_accum):
@@ -83,7 +82,7 @@ def main():
             if stop:
                 break
 
-    tlog.finish(**common.pipeline_report(timer, tlog, args, env.world_size, env.device))
+    tlog.finish(**common.pipeline_report(timer, tlog, args, schedule, env.world_size, env.device))
 
 
 if __name__ == "__main__":

@@ -84,8 +84,7 @@ def main():
     parser = common.base_parser(__doc__)
     parser.add_argument("--dp", type=common.positive, default=1, help="data-parallel (FSDP) groups; tp = world size / dp (default: 1, pure tensor parallelism)")
     parser.add_argument("--sequence-parallel", action="store_true", help="split norms and the residual stream along the sequence too")
-    args = parser.parse_args()
-    cfg = common.model_config(args)
+    args, cfg = common.parse_args(parser)
     env = common.init_distributed(args)
     common.check(env.world_size % args.dp == 0, f"--dp {args.dp} must divide the world size {env.world_size}")
     tp = env.world_size // args.dp
@@ -108,7 +107,7 @@ def main():
     fully_shard(model, mesh=mesh["dp"], mp_policy=precision)
 
     optimizer = common.make_optimizer(model.parameters(), args, env.device)
-    ckpt = common.Checkpointer(args, model, optimizer)
+    ckpt = common.Checkpointer(args, cfg, model, optimizer)
     start_step = ckpt.load()
     if start_step >= args.steps:
         return
@@ -119,7 +118,7 @@ def main():
     batches = common.make_batches(args, cfg, env.device, micro_batch, dp_rank, args.dp, start_step)
     tlog = common.TrainLog(args, env, cfg, "tp", ckpt)
     with common.Profiler(args, env) as prof:
-        for step in range(start_step, args.steps):
+        for step in tlog.steps():
             lr = common.set_lr(optimizer, step, args)
             loss = torch.zeros((), device=env.device)
             for _ in range(args.grad_accum):

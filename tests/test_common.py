@@ -35,15 +35,23 @@ def test_ranks_share_out_each_global_batch_exactly(dp_size):
         assert samples == list(range((step + 1) * global_batch, (step + 2) * global_batch))
 
 
-def test_token_file_windows_and_vocabulary(tmp_path):
+def test_token_file_windows_and_its_checks(tmp_path):
     path = tmp_path / "train.bin"
     path.write_bytes(struct.pack("<1000H", *(i % 300 for i in range(1000))))  # nanoGPT's format: little-endian uint16
-    data = common.TokenFile(str(path), vocab_size=300, seq_len=16, seed=0)
+    common.check_token_file(str(path), vocab_size=300, seq_len=16)
+    data = common.TokenFile(str(path), seq_len=16, seed=0)
     x, y = data[3]
     start = int(x[0])  # tokens count up (mod 300), so the first token says where the window starts
     assert torch.equal(x, (torch.arange(start, start + 16) % 300)) and torch.equal(x[1:], y[:-1])
-    with pytest.raises(ValueError, match="vocab size 200"):
-        [common.TokenFile(str(path), vocab_size=200, seq_len=16, seed=0)[i] for i in range(20)]
+    # Every way the file can be wrong is found before training, whole: the largest id sits last.
+    odd, short = tmp_path / "odd.bin", tmp_path / "short.bin"
+    odd.write_bytes(b"abc")
+    short.write_bytes(struct.pack("<10H", *range(10)))
+    for bad, vocab, message in [(path, 299, "token id 299, beyond the vocabulary of 299: set --vocab-size 300"),
+                                (tmp_path / "missing.bin", 300, "does not exist"), (tmp_path, 300, "is not a file"),
+                                (odd, 300, "odd count"), (short, 300, "holds 10 tokens; one sample needs")]:
+        with pytest.raises(common.ConfigError, match=message):
+            common.check_token_file(str(bad), vocab_size=vocab, seq_len=16)
 
 
 def test_a_stage_gets_exactly_the_whole_models_weights():
@@ -59,8 +67,8 @@ def test_a_stage_gets_exactly_the_whole_models_weights():
 
 def test_layer_splits():
     assert [len(r) for r in common.split_layers(8, 3)] == [3, 3, 2]
-    assert common.split_layers(8, 2, "2,6") == [range(0, 2), range(2, 8)]
-    for n_parts, split in [(9, None), (2, "3,3"), (3, "2,6"), (2, "0,8")]:
+    assert common.split_layers(8, 2, [2, 6]) == [range(0, 2), range(2, 8)]
+    for n_parts, split in [(9, None), (2, [3, 3]), (3, [2, 6]), (2, [1, 8])]:
         with pytest.raises(common.ConfigError):
             common.split_layers(8, n_parts, split)
 
