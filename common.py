@@ -888,13 +888,15 @@ def _tensors(x):
     return [t for item in x for t in _tensors(item)] if isinstance(x, (list, tuple)) else []
 
 
-def _group_size(func_name, args):
-    if func_name.startswith("_c10d_functional."):
-        from torch.distributed.distributed_c10d import _resolve_process_group
+def _group_ranks(func_name, args):
+    """The global ranks of the group a collective runs in."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
 
-        return _resolve_process_group(args[-1]).size()
-    group = next(a for a in args if isinstance(a, torch.ScriptObject))
-    return dist.ProcessGroup.unbox(group).size()
+    if func_name.startswith("_c10d_functional."):
+        name = args[-1]
+    else:
+        name = dist.ProcessGroup.unbox(next(a for a in args if isinstance(a, torch.ScriptObject))).group_name
+    return tuple(dist.get_process_group_ranks(_resolve_process_group(name)))
 
 
 def comm_kinds():
@@ -904,7 +906,7 @@ def comm_kinds():
 
 class CommCounter:
     """Counts every collective and point-to-point transfer this rank starts while it is
-    on: what it is, its group's size, its dtype, and its buffer's bytes. It sees them at
+    on: what it is, the ranks of its group, its dtype, and its buffer's bytes. It sees them at
     the dispatcher (a TorchDispatchMode, as torch's CommDebugMode), so DDP's reducer,
     FSDP's hooks, DTensor's redistributions and the pipeline's sends are all counted as
     they really run, not as a formula says they should. Costly per op, so TrainLog turns
@@ -933,7 +935,7 @@ class CommCounter:
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         if name.startswith("_c10d_functional.all_gather"):
             nbytes *= args[1]  # given the shard: the gathered buffer is group_size shards
-        key = (kind, _group_size(name, args), str(tensors[0].dtype).removeprefix("torch.") if tensors else "none")
+        key = (kind, _group_ranks(name, args), str(tensors[0].dtype).removeprefix("torch.") if tensors else "none")
         calls, total = self.totals.get(key, (0, 0))
         self.totals[key] = (calls + 1, total + nbytes)
 
@@ -948,8 +950,9 @@ class CommCounter:
             self.mode.__exit__(*exc)
 
     def record(self):
-        """One entry per (kind, group size, dtype), for the results line."""
-        return [{"kind": k, "group_size": n, "dtype": d, "calls": c, "bytes": b} for (k, n, d), (c, b) in sorted(self.totals.items())]
+        """One entry per (kind, group, dtype), for the results line."""
+        return [{"kind": k, "group": list(g), "group_size": len(g), "dtype": d, "calls": c, "bytes": b}
+                for (k, g, d), (c, b) in sorted(self.totals.items())]
 
 
 class Profiler:
@@ -1270,16 +1273,17 @@ def theoretical_bubble_pct(schedule, pp_size, n_microbatches, stages_per_rank):
     return 100 * (pp_size - 1) / (stages_per_rank * n_microbatches + pp_size - 1)
 
 
-def pipeline_report(timer, tlog, args, schedule, pp_size, device):
+def pipeline_report(timer, tlog, args, schedule, modules, pp_size, device):
     """Measured busy % per rank and bubble beside the schedule's theory: the results
     fields pipeline_train.py and hybrid_train.py both report (a collective)."""
     busy = gather_floats(timer.busy_pct(tlog.timed), device)
+    blocks = [int(b) for b in gather_floats(sum(len(m.blocks) for m in modules), device)]
     utilisation = sum(busy) / len(busy)
     theory = theoretical_bubble_pct(args.schedule, pp_size, args.micro_batches, args.stages_per_rank)
     log(f"busy % per rank {busy}; bubble {100 - utilisation:.1f}% measured, {'n/a' if theory is None else f'{theory:.1f}%'} "
         f"in theory for {args.schedule} with {pp_size} ranks x {args.stages_per_rank} stages and {args.micro_batches} micro-batches")
     return {"schedule": args.schedule, "micro_batches": args.micro_batches, "stages_per_rank": args.stages_per_rank,
-            "schedule_class": type(schedule).__name__, "actions_last_step": timer.last_actions,
+            "schedule_class": type(schedule).__name__, "actions_last_step": timer.last_actions, "blocks_per_rank": blocks,
             "busy_pct_per_rank": busy, "utilisation_pct": utilisation, "bubble_pct": 100 - utilisation, "bubble_pct_theory": theory}
 
 

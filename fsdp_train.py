@@ -124,8 +124,12 @@ def main():
     common.log(f"per rank: parameter shards {param_bytes / 2**20:.1f} MiB, gradient shards {grad_bytes / 2**20:.1f} MiB, "
                f"optimizer state {optim_bytes / 2**20:.1f} MiB, on {'cpu (offloaded)' if args.cpu_offload else env.device.type} "
                f"(unsharded fp32 parameters: {common.count_params(cfg) * 4 / 2**20:.1f} MiB); peak GiB per rank {peak_per_rank}")
+    # Whether FSDP itself keeps them on the CPU (its state, not the flag): on a CPU-only
+    # machine that is the only place the difference shows.
+    offloaded = sum(p.offload_to_cpu for block in model.blocks.values() for p in block._get_fsdp_state()._fsdp_param_group.fsdp_params)
     tlog.finish(param_shard_bytes=param_bytes, grad_shard_bytes=grad_bytes, optim_shard_bytes=optim_bytes,
-                peak_mem_gib_per_rank=peak_per_rank, reshard_after_forward=args.reshard_after_forward, cpu_offload=args.cpu_offload)
+                peak_mem_gib_per_rank=peak_per_rank, reshard_after_forward=args.reshard_after_forward, cpu_offload=args.cpu_offload,
+                params_offloaded_to_cpu=offloaded)
 
 
 if __name__ == "__main__":

@@ -128,7 +128,7 @@ def main():
             if stop:
                 break
 
-    report = common.pipeline_report(timer, tlog, args, schedule, pp, env.device)
+    report = common.pipeline_report(timer, tlog, args, schedule, modules, pp, env.device)
     drift = replica_drift(modules, mesh["dp"]) if args.dp_wrapper == "ddp" else None
     if drift is not None:
         common.log(f"largest difference between a stage's DDP replicas: {drift:.1e}")

@@ -82,7 +82,7 @@ def main():
             if stop:
                 break
 
-    tlog.finish(**common.pipeline_report(timer, tlog, args, schedule, env.world_size, env.device))
+    tlog.finish(**common.pipeline_report(timer, tlog, args, schedule, modules, env.world_size, env.device))
 
 
 if __name__ == "__main__":

@@ -134,3 +134,47 @@ def assert_losses_match(run, ref, atol=PARITY_ATOL):
 
 def loss_diffs(run, ref):
     return [abs(a - b) for a, b in zip(run["losses"], ref["losses"])]
+
+
+def comm(run, kind, group=None):
+    """(calls, bytes, dtypes) of one kind of collective in the run's counted step (rank 0's),
+    in every group or in the one of these global ranks."""
+    entries = [e for e in run["comm_per_step"] if e["kind"] == kind and group in (None, e["group"])]
+    return sum(e["calls"] for e in entries), sum(e["bytes"] for e in entries), {e["dtype"] for e in entries}
+
+
+def param_bytes(run, dtype_bytes=4):
+    return run["params"] * dtype_bytes
+
+
+def assert_pipeline_ran(run, pp, micro_batches, grad_accum, pp_group=None):
+    """What rank 0's last step shows of the schedule: which stages it ran, how many
+    micro-batches each, in which order, and what it sent to its pipeline peers."""
+    import common
+
+    schedule, per_rank = run["schedule"], run["stages_per_rank"]
+    n_stages = pp * per_rank
+    mine = common.stages_of_rank(schedule, 0, pp, per_rank)
+    actions = [(a[0], int(a[1:].split(":")[0]), int(a.split(":")[1])) for a in run["actions_last_step"]]
+    assert sorted({s for _, s, _ in actions}) == sorted(mine), actions
+    backward = {"I", "W"} if schedule in common.ZERO_BUBBLE else {"B"}
+    assert {kind for kind, _, _ in actions} == {"F"} | backward, actions
+    for stage in mine:
+        for kind in {"F"} | backward:
+            assert sum(1 for k, s, _ in actions if (k, s) == (kind, stage)) == micro_batches * grad_accum, (kind, stage, actions)
+    # Micro-batches alive on stage 0 (forward done, backward not): GPipe keeps all of them,
+    # 1F1B at most as many as there are stages after it.
+    alive = peak = 0
+    for kind, stage, _ in actions:
+        if stage == mine[0]:
+            alive += {"F": 1, "B": -1, "I": -1}.get(kind, 0)
+            peak = max(peak, alive)
+    if schedule == "gpipe":
+        assert peak == micro_batches, actions
+    elif schedule == "1f1b":
+        assert peak == min(micro_batches, n_stages), actions
+    # Each micro-batch's activation crosses every boundary forward, its gradient backward.
+    crossings = sum((s < n_stages - 1) + (s > 0) for s in mine)
+    micro_batch = run["global_batch_size"] // (run["mesh"]["dp"] if "mesh" in run else 1) // grad_accum // micro_batches
+    activation = micro_batch * run["seq_len"] * common.PRESETS[run["model"]].d_model * 4
+    assert comm(run, "send", pp_group)[:2] == (crossings * micro_batches * grad_accum, crossings * micro_batches * grad_accum * activation)

@@ -52,6 +52,25 @@ def test_a_finished_run_has_nothing_to_do_and_another_batch_is_refused(tmp_path)
     proc, records = run_script("ddp_train.py", 1, ["--checkpoint-dir", tmp_path, "--global-batch-size", 4], torchrun=False)
     assert proc.returncode == 2 and records == [], proc.stderr[-2000:]
     assert proc.stderr.startswith("error: ") and "was trained with --global-batch-size 8" in proc.stderr
+    # Another model's checkpoint is refused by its shape, before its tensors are read.
+    proc, records = run_script("ddp_train.py", 1, ["--checkpoint-dir", tmp_path, "--vocab-size", 600], torchrun=False)
+    assert proc.returncode == 2 and records == [] and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert proc.stderr.startswith(f"error: {tmp_path}/step_00000004 holds a model with vocab_size 512, this run's has 600")
+
+
+def test_the_last_step_is_saved_and_an_unreadable_newest_checkpoint_is_set_aside(tmp_path):
+    args = ["--checkpoint-dir", tmp_path, "--checkpoint-every", "3"]
+    _, (full,) = run_script("ddp_train.py", 1, args, torchrun=False)
+    assert sorted(os.listdir(tmp_path)) == ["step_00000003", "step_00000004"]  # 4 is no multiple of 3, but the last
+    shard = next((tmp_path / "step_00000004").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])  # a save cut short by a full disk, say
+    proc, (resumed,) = run_script("ddp_train.py", 1, args, torchrun=False)
+    assert proc.stdout.count("skipping ") == 1 and f"skipping {tmp_path}/step_00000004: it does not load" in proc.stdout, proc.stdout
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    assert_continues(resumed, full, start=3)
+    # Nothing deleted: the unreadable one is kept beside the new step 4.
+    assert sorted(os.listdir(tmp_path)) == ["step_00000003", "step_00000004", "step_00000004.unreadable"]
+    assert (tmp_path / "step_00000004.unreadable" / shard.name).stat().st_size == 1000
 
 
 def test_hard_death_mid_save_restarts_from_the_last_complete_checkpoint(tmp_path):

@@ -4,6 +4,7 @@ weights, layer splits and the learning-rate schedule every strategy relies on.""
 import argparse
 import itertools
 import math
+import os
 import struct
 
 import pytest
@@ -87,3 +88,62 @@ def test_flops_count_attention_on_top_of_six_per_matmul_weight():
     matmul_weights = sum(p.numel() for n, p in common.GPT(cfg).named_parameters() if p.dim() == 2 and "emb" not in n)
     assert common.flops_per_token(cfg, 64) == 6 * matmul_weights + 12 * cfg.n_layers * cfg.d_model * 64
     assert math.isclose(common.flops_per_token(common.PRESETS["2.5b"], 1024) / 1e9, 16.6, rel_tol=0.01)
+
+
+def saved_activation_bytes(model, x):
+    """Bytes autograd keeps from the forward pass for backward."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
+        model(x).sum().backward()
+    return sum(saved)
+
+
+def test_activation_checkpointing_keeps_only_each_blocks_input():
+    cfg = common.PRESETS["tiny"]
+    x = torch.randint(0, cfg.vocab_size, (2, 32))
+    plain = common.build_model(cfg, torch.device("cpu"), ARGS)
+    checkpointed = common.build_model(cfg, torch.device("cpu"), argparse.Namespace(**{**vars(ARGS), "activation_checkpointing": True}))
+    assert saved_activation_bytes(checkpointed, x) < 0.5 * saved_activation_bytes(plain, x)
+
+
+def test_compile_compiles_every_block_in_place():
+    cfg = common.PRESETS["tiny"]
+    model = common.build_model(cfg, torch.device("cpu"), argparse.Namespace(**{**vars(ARGS), "compile": True}))
+    assert all(block._compiled_call_impl is not None for block in model.blocks.values())
+    assert "blocks.0.attn.q.weight" in dict(model.named_parameters())  # names unchanged: checkpoints still match
+
+
+def data_args(**overrides):
+    return argparse.Namespace(**{"data": None, "seq_len": 16, "seed": 0, "global_batch_size": 4, "num_workers": 0, **overrides})
+
+
+def test_dataloader_workers_run_outside_the_trainers_process_group():
+    """--num-workers N starts N worker processes, each in its own process group, so that
+    torchrun's SIGTERM to the trainer's group does not kill them mid-step."""
+    cfg = common.PRESETS["tiny"]
+    batches = common.make_batches(data_args(num_workers=2), cfg, torch.device("cpu"), 4)
+    next(batches)
+    children = [int(pid) for pid in open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()]
+    workers = [pid for pid in children if "python" in open(f"/proc/{pid}/cmdline").read()]
+    assert len(workers) == 2 and all(os.getpgid(pid) == pid for pid in workers), workers
+    assert common.make_batches(data_args(), cfg, torch.device("cpu"), 4) is not None
+    batches.close()
+
+
+def test_data_file_feeds_the_batches(tmp_path):
+    path = tmp_path / "train.bin"
+    path.write_bytes(struct.pack("<1000H", *(i % 300 for i in range(1000))))
+    x, y = next(common.make_batches(data_args(data=str(path)), common.PRESETS["tiny"], torch.device("cpu"), 4))
+    assert x.shape == (4, 16) and torch.equal((x[:, 1:] - x[:, :-1]) % 300, torch.ones(4, 15, dtype=torch.long))
+
+
+def test_dtype_sets_the_matmul_precision_under_autocast():
+    a = torch.randn(4, 4)
+    for dtype, expected in [("bf16", torch.bfloat16), ("fp32", torch.float32)]:
+        with common.autocast(argparse.Namespace(dtype=dtype), torch.device("cpu")):
+            assert (a @ a).dtype == expected
+
+
+def test_device_cuda_without_a_gpu_is_refused_before_any_process_group():
+    with pytest.raises(common.ConfigError, match="--device cuda, but torch sees no GPU"):
+        common.init_distributed(argparse.Namespace(device="cuda", dtype=None, timeout=60))

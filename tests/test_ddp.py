@@ -3,7 +3,7 @@
 import math
 
 import pytest
-from harness import PARITY_ATOL, assert_losses_match, checkpointed, launch, loss_diffs, reference
+from harness import PARITY_ATOL, assert_losses_match, checkpointed, comm, launch, loss_diffs, param_bytes, reference
 
 REQUIRED_FIELDS = {
     "strategy": str, "world_size": int, "device": str, "gpu_name": type(None), "model": str, "params": int,
@@ -21,6 +21,11 @@ def test_ddp_two_ranks_match_single_process(extra):
     # The plain run also saves checkpoints, which test_checkpoint resumes from.
     run = launch("ddp_train.py", 2, *extra) if extra else checkpointed("ddp_train.py", 2)[0]
     assert_losses_match(run, reference())
+    # The textbook volume: one all-reduce of every fp32 gradient per optimizer step, and
+    # nothing else. With accumulation too: the first micro-step, forward and backward, runs
+    # under no_sync(), so it adds no all-reduce (parity cannot see one more).
+    assert [e["kind"] for e in run["comm_per_step"]] == ["all_reduce"]
+    assert comm(run, "all_reduce")[1:] == (param_bytes(run), {"float32"})
 
 
 def test_ddp_clipping_matches_when_it_acts():
@@ -37,6 +42,13 @@ def test_comm_hook_is_close_but_not_exact(hook):
     if hook == "powersgd":
         extra += ["--powersgd-start-iter", "2"]  # plain all-reduce for steps 1-2, compressed after
     run, ref = launch("ddp_train.py", 2, *extra), reference()
+    # What goes on the wire: half-width gradients, or PowerSGD's low-rank factors (by the
+    # last, counted step, compression has started) with the small vectors uncompressed.
+    calls, nbytes, dtypes = comm(run, "all_reduce")
+    if hook == "powersgd":
+        assert dtypes == {"float32"} and nbytes < param_bytes(run) / 3, (nbytes, param_bytes(run))
+    else:
+        assert dtypes == {"float16" if hook == "fp16" else "bfloat16"} and nbytes == param_bytes(run, 2)
     diffs = loss_diffs(run, ref)
     exact_steps = 3 if hook == "powersgd" else 1  # a step's loss shows the previous steps' updates
     assert max(diffs[:exact_steps]) <= PARITY_ATOL, diffs

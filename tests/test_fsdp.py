@@ -2,7 +2,8 @@
 state on each rank."""
 
 import pytest
-from harness import assert_losses_match, checkpointed, launch, reference, run_script
+import common
+from harness import assert_losses_match, checkpointed, comm, launch, reference, run_script
 
 # One launch per case, each covering some of the switches: ZeRO-2-like resharding and
 # gradient accumulation at 4 ranks, CPU offload and activation checkpointing at 2.
@@ -25,10 +26,33 @@ def test_fsdp_matches_single_process(case):
     # The plain run also saves checkpoints, which test_checkpoint resumes from.
     run = launch("fsdp_train.py", nproc, *extra) if extra else checkpointed("fsdp_train.py", nproc)[0]
     assert run["strategy"] == "fsdp" and run["world_size"] == nproc
-    assert run["cpu_offload"] == ("--cpu-offload" in extra)
+    blocks_params = 10 * common.PRESETS["tiny"].n_layers  # 10 tensors a block
+    assert run["params_offloaded_to_cpu"] == (blocks_params if "--cpu-offload" in extra else 0)
     assert run["reshard_after_forward"] == ("--no-reshard-after-forward" not in extra)
     assert_losses_match(run, reference())
     assert_grad_norms_match(run, reference())
+    assert_textbook_communication(run, grad_accum=2 if "--grad-accum" in extra else 1)
+
+
+def assert_textbook_communication(run, grad_accum, gather_dtype="float32"):
+    """Per micro-step, each block (one FSDP unit) is all-gathered before its forward and
+    again before its backward (once, kept between them, with --no-reshard-after-forward)
+    and its gradients reduce-scattered; the root (embeddings, norm, head) is gathered once."""
+    cfg = common.PRESETS[run["model"]]
+    block = 12 * cfg.d_model**2 + 4 * cfg.d_model  # tiny's shapes split over 2 or 4 ranks without padding
+    blocks, root = cfg.n_layers * block, run["params"] - cfg.n_layers * block
+    gathers = 2 if run["reshard_after_forward"] else 1
+    width = 2 if gather_dtype == "bfloat16" else 4
+    assert comm(run, "all_gather") == (grad_accum * (gathers * cfg.n_layers + 1), grad_accum * width * (gathers * blocks + root), {gather_dtype})
+    # Gradients are reduced in fp32 whatever the compute dtype (MixedPrecisionPolicy's reduce_dtype).
+    assert comm(run, "reduce_scatter") == (grad_accum * (cfg.n_layers + 1), grad_accum * 4 * run["params"], {"float32"})
+    assert comm(run, "all_reduce")[0] == 1  # the gradient norm, once
+
+
+def test_bf16_gathers_weights_in_bf16_and_reduces_gradients_in_fp32():
+    run = launch("fsdp_train.py", 2, "--dtype", "bf16", "--no-reshard-after-forward")
+    assert_textbook_communication(run, grad_accum=1, gather_dtype="bfloat16")
+    assert max(abs(a - b) for a, b in zip(run["losses"], reference()["losses"])) < 0.05  # bf16 matmuls: close, not equal
 
 
 def test_shards_shrink_with_ranks():

@@ -4,7 +4,7 @@ every data-parallel wrapper offered, and DDP's replicas must stay identical."""
 import pytest
 
 import common
-from harness import assert_losses_match, checkpointed, launch, reference, run_script
+from harness import assert_losses_match, assert_pipeline_ran, checkpointed, comm, launch, reference, run_script
 
 CLIP = ["--grad-clip", "0.3"]  # below every step's gradient norm (see test_ddp)
 CASES = [
@@ -31,6 +31,19 @@ def test_hybrid_matches_single_process(pp, wrapper, schedule, extra):
     # The dp=4 run also saves checkpoints, which test_checkpoint resumes from.
     run = checkpointed("hybrid_train.py", 4, *args)[0] if pp == 1 else launch("hybrid_train.py", 4, *args)
     assert_losses_match(run, reference(*(CLIP if extra == CLIP else [])))
-    assert run["mesh"] == {"pp": pp, "dp": 4 // pp}
+    dp = 4 // pp
+    assert run["mesh"] == {"pp": pp, "dp": dp}
     if wrapper == "ddp":
         assert run["dp_replica_max_diff"] == 0.0, "DDP replicas of a stage drifted apart"
+    # The mesh's order decides who rank 0's peers are: the inner dimension's ranks are
+    # consecutive. Transfers must run among pipeline peers, gradients among replicas.
+    inner, outer = ("pp", "dp") if "--mesh-order" in extra and extra[extra.index("--mesh-order") + 1] == "dp-pp" else ("dp", "pp")
+    size = {"pp": pp, "dp": dp}
+    groups = {inner: list(range(size[inner])), outer: list(range(0, 4, size[inner]))}
+    assert run["group_ranks"] == groups
+    grad_accum = int(extra[extra.index("--grad-accum") + 1]) if "--grad-accum" in extra else 1
+    if pp > 1:
+        assert_pipeline_ran(run, pp, 4 if pp == 4 else 2, grad_accum, pp_group=groups["pp"])
+    if dp > 1:  # DDP all-reduces the stage's gradients among replicas; FSDP gathers and reduce-scatters them
+        kinds = {"all_reduce"} if wrapper == "ddp" else {"all_gather", "reduce_scatter"}
+        assert {e["kind"] for e in run["comm_per_step"] if e["group"] == groups["dp"] and e["bytes"] > 1024} == kinds

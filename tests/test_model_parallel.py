@@ -1,7 +1,8 @@
 """Naive model parallelism must compute the single-process run, whatever the split."""
 
 import pytest
-from harness import assert_losses_match, checkpointed, launch, reference
+import common
+from harness import assert_losses_match, checkpointed, comm, launch, reference
 
 
 @pytest.mark.parametrize("nproc,extra", [
@@ -18,3 +19,8 @@ def test_model_parallel_matches_single_process(nproc, extra):
     assert len(busy) == nproc and all(0 < b < 100 for b in busy) and min(run["transfer_pct_per_rank"]) > 0
     if "--split" in extra:
         assert busy[1] > 1.5 * busy[0], f"the rank with 3x the blocks should be the busy one: {busy}"
+    # Rank 0 sends each micro-step's whole batch of activations (B x T x d, fp32) to rank 1
+    # and receives their gradient: one message each way, nothing else but the norm.
+    grad_accum = int(extra[extra.index("--grad-accum") + 1]) if "--grad-accum" in extra else 1
+    activation = run["global_batch_size"] // grad_accum * run["seq_len"] * common.PRESETS["tiny"].d_model * 4
+    assert comm(run, "send")[:2] == comm(run, "recv")[:2] == (grad_accum, grad_accum * activation)

@@ -4,13 +4,13 @@ several micro-batch counts, with and without gradient accumulation, with clippin
 import pytest
 
 import common
-from harness import assert_losses_match, checkpointed, launch, reference, run_script
+from harness import assert_losses_match, assert_pipeline_ran, checkpointed, launch, reference, run_script
 
 CLIP = ["--grad-clip", "0.3"]  # below every step's gradient norm (see test_ddp)
 CASES = [
     # schedule, ranks, micro-batches, extra flags
     ("gpipe", 2, 2, []),
-    ("gpipe", 4, 4, ["--grad-accum", "2"]),
+    ("gpipe", 4, 4, ["--grad-accum", "2", "--split", "1,2,3,2"]),
     ("1f1b", 2, 4, CLIP),
     ("1f1b", 4, 8, []),
     ("interleaved-1f1b", 2, 4, ["--grad-accum", "2"]),
@@ -36,3 +36,7 @@ def test_schedule_matches_single_process(schedule, nproc, micro_batches, extra):
     assert_losses_match(run, reference(*(CLIP if extra == CLIP else [])))
     # Measured: every rank did some of the work, and none all of it.
     assert len(run["busy_pct_per_rank"]) == nproc and all(0 < b < 100 for b in run["busy_pct_per_rank"])
+    grad_accum = int(extra[extra.index("--grad-accum") + 1]) if "--grad-accum" in extra else 1
+    assert_pipeline_ran(run, nproc, micro_batches, grad_accum)
+    split = extra[extra.index("--split") + 1] if "--split" in extra else None
+    assert run["blocks_per_rank"] == ([int(c) for c in split.split(",")] if split else [8 // nproc] * nproc)

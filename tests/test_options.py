@@ -1,0 +1,126 @@
+"""Every option of every script is checked by what it changes, not by its echo in the
+results line: this file holds the map from each option to the tests that observe its
+effect (collectives, placements, schedule, memory, files), and fails when a script gains
+an option the map does not name, or names a test that does not exist."""
+
+import ast
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import common
+from harness import ROOT, TINY, run_script
+
+SCRIPTS = ["ddp_train.py", "model_parallel_train.py", "pipeline_train.py", "hybrid_train.py", "fsdp_train.py", "tensor_parallel_train.py"]
+REPORTING_ONLY = "reporting only"
+
+# option -> the tests that fail when it is wired to nothing, or why no test can.
+EFFECTS = {
+    # common.py's, in every script
+    "--help": f"{REPORTING_ONLY}: argparse's own",
+    "--model": ["test_options.py::test_model_options_shape_the_model"],
+    "--vocab-size": ["test_options.py::test_model_options_shape_the_model", "test_checkpoint.py::test_a_finished_run_has_nothing_to_do_and_another_batch_is_refused"],
+    "--seq-len": ["test_options.py::test_model_options_shape_the_model"],
+    "--data": ["test_common.py::test_data_file_feeds_the_batches", "test_common.py::test_token_file_windows_and_its_checks"],
+    "--num-workers": ["test_common.py::test_dataloader_workers_run_outside_the_trainers_process_group", "test_errors.py::test_an_uncaught_error_ends_the_job_and_its_dataloader_workers"],
+    "--steps": ["test_oracle.py", "test_ddp.py::test_results_line_has_every_field"],
+    "--global-batch-size": ["test_oracle.py", "test_run_all.py"],
+    "--grad-accum": ["test_oracle.py", "test_ddp.py::test_ddp_two_ranks_match_single_process", "test_fsdp.py::test_fsdp_matches_single_process"],
+    "--lr": ["test_oracle.py"],
+    "--lr-warmup-steps": ["test_oracle.py"],
+    "--weight-decay": ["test_oracle.py"],
+    "--grad-clip": ["test_oracle.py", "test_ddp.py::test_ddp_clipping_matches_when_it_acts"],
+    "--seed": ["test_common.py::test_a_sample_depends_only_on_seed_and_index"],
+    "--dtype": ["test_common.py::test_dtype_sets_the_matmul_precision_under_autocast", "test_fsdp.py::test_bf16_gathers_weights_in_bf16_and_reduces_gradients_in_fp32"],
+    "--activation-checkpointing": ["test_common.py::test_activation_checkpointing_keeps_only_each_blocks_input", "test_tensor_parallel.py::test_tensor_parallel_matches_single_process"],
+    "--compile": ["test_common.py::test_compile_compiles_every_block_in_place"],
+    "--device": ["test_common.py::test_device_cuda_without_a_gpu_is_refused_before_any_process_group"],
+    "--timeout": ["test_errors.py::test_every_rank_stalled_ends_the_job_within_the_timeout_in_one_line", "test_errors.py::test_a_silent_peer_fails_the_job_within_the_timeout"],
+    "--log-every": ["test_options.py::test_profile_writes_a_trace_and_the_op_table"],
+    "--timing-warmup-steps": ["test_metrics.py::test_throughput_leaves_out_warmup_and_the_counted_step"],
+    "--profile": ["test_options.py::test_profile_writes_a_trace_and_the_op_table"],
+    "--results": ["test_ddp.py::test_results_line_has_every_field"],
+    "--checkpoint-dir": ["test_checkpoint.py::test_resume_continues_the_same_run"],
+    "--checkpoint-every": ["test_checkpoint.py::test_the_last_step_is_saved_and_an_unreadable_newest_checkpoint_is_set_aside"],
+    # ddp_train.py
+    "--comm-hook": ["test_ddp.py::test_comm_hook_is_close_but_not_exact"],
+    "--powersgd-start-iter": ["test_ddp.py::test_comm_hook_is_close_but_not_exact"],
+    # fsdp_train.py
+    "--reshard-after-forward": ["test_fsdp.py::test_fsdp_matches_single_process"],
+    "--no-reshard-after-forward": ["test_fsdp.py::test_fsdp_matches_single_process"],
+    "--cpu-offload": ["test_fsdp.py::test_fsdp_matches_single_process"],
+    # pipeline_train.py and hybrid_train.py
+    "--schedule": ["test_pipeline.py::test_schedule_matches_single_process", "test_hybrid.py::test_hybrid_matches_single_process"],
+    "--micro-batches": ["test_pipeline.py::test_schedule_matches_single_process", "test_run_all.py"],
+    "--stages-per-rank": ["test_pipeline.py::test_schedule_matches_single_process"],
+    "--split": ["test_pipeline.py::test_schedule_matches_single_process", "test_model_parallel.py::test_model_parallel_matches_single_process"],
+    "--pp": ["test_hybrid.py::test_hybrid_matches_single_process"],
+    "--dp-wrapper": ["test_hybrid.py::test_hybrid_matches_single_process"],
+    "--mesh-order": ["test_hybrid.py::test_hybrid_matches_single_process"],
+    # tensor_parallel_train.py
+    "--dp": ["test_tensor_parallel.py::test_tensor_parallel_matches_single_process"],
+    "--sequence-parallel": ["test_tensor_parallel.py::test_tensor_parallel_matches_single_process"],
+}
+
+
+class _Parser(Exception):
+    pass
+
+
+def parser_of(script, monkeypatch):
+    """The script's own command-line parser, taken from its main() before anything runs."""
+    module = importlib.import_module(script.removesuffix(".py"))
+
+    def grab(parser):
+        raise _Parser(parser)
+
+    monkeypatch.setattr(common, "parse_args", grab)
+    with pytest.raises(_Parser) as caught:
+        module.main()
+    return caught.value.args[0]
+
+
+def test_every_option_of_every_script_has_a_test_of_its_effect(monkeypatch):
+    tests = Path(__file__).parent
+    missing, dangling = [], []
+    for script in SCRIPTS:
+        for action in parser_of(script, monkeypatch)._actions:
+            for option in action.option_strings:
+                if option.startswith("--") and option not in EFFECTS:
+                    missing.append(f"{script} {option}")
+    for option, where in EFFECTS.items():
+        for test in [] if isinstance(where, str) else where:
+            file, _, name = test.partition("::")
+            path = tests / file
+            defined = {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)} if path.exists() else set()
+            if not path.exists() or (name and name not in defined):
+                dangling.append(f"{option}: {test}")
+        assert isinstance(where, list) or where.startswith(REPORTING_ONLY), f"{option}: {where}"
+    assert not missing, f"options with no test of their effect (add one, and its name to EFFECTS): {missing}"
+    assert not dangling, f"EFFECTS names tests that do not exist: {dangling}"
+
+
+def test_model_options_shape_the_model(monkeypatch):
+    parser = parser_of("ddp_train.py", monkeypatch)
+    monkeypatch.undo()
+    for argv, (model, vocab, seq_len) in [
+        ([], ("tiny", 512, 64)),
+        (["--model", "350m"], ("350m", 32000, 1024)),
+        (["--model", "350m", "--vocab-size", "50304", "--seq-len", "256"], ("350m", 50304, 256)),
+    ]:
+        monkeypatch.setattr(sys, "argv", ["ddp_train.py", *argv])
+        args, cfg = common.parse_args(parser)
+        assert (cfg.d_model, cfg.n_layers) == (common.PRESETS[model].d_model, common.PRESETS[model].n_layers)
+        assert (cfg.vocab_size, args.seq_len, args.lr) == (vocab, seq_len, common.PRESETS[model].lr)
+
+
+def test_profile_writes_a_trace_and_the_op_table(tmp_path):
+    proc, (record,) = run_script("ddp_train.py", 1, ["--steps", "6", "--profile", tmp_path, "--log-every", "4"], torchrun=False)
+    trace = json.loads((tmp_path / "trace_rank0.json").read_text())
+    assert any(event.get("name") == "aten::mm" for event in trace["traceEvents"]), "no matmuls in the trace"
+    assert "Self CPU" in proc.stdout, "no op table"
+    # --log-every 4: the step line of step 4 and of the last step, no other.
+    assert [line.split("|")[0].split()[1] for line in proc.stdout.splitlines() if line.startswith("step ")] == ["4/6", "6/6"]
