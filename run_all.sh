@@ -5,67 +5,120 @@
 #   bash run_all.sh                      # every strategy on 1, 2, 4, ... GPUs
 #   bash run_all.sh --strategies ddp,pipeline --gpus 1,4 --model 350m
 #
-# Options (flags, or the environment variable in brackets):
-#   --model M              model preset [MODEL] (default: 2.5b on GPUs of 60 GiB or more, else 350m)
-#   --steps N              optimizer steps per run [STEPS] (default: 20; the first 3 are not timed)
-#   --strategies a,b       subset of: ddp model_parallel pipeline hybrid fsdp tensor_parallel [STRATEGIES]
-#   --gpus 1,2,4           GPU counts to try [GPUS] (default: 1, 2, 4, ... up to what the machine has)
-#   --global-batch-size G  samples per step at 1 GPU [GLOBAL_BATCH] (default: 8)
-#   --out DIR              results folder [OUT] (default: results/<date-time>)
-#   --strong               strong scaling: keep the global batch fixed [SCALING=strong]
+# Options (flags only: environment variables such as MODEL or OUT, which other tools
+# set for their own purposes, are ignored):
+#   --model M              a model preset of common.py (default: 2.5b on GPUs of 60 GiB or more, else 350m; tiny on CPU)
+#   --steps N              optimizer steps per run (default: 20, 10 on CPU; the first 3 are not timed)
+#   --strategies a,b       which *_train.py scripts to run (default: ddp,model_parallel,pipeline,hybrid,fsdp,tensor_parallel)
+#   --gpus 1,2,4           GPU counts to try (default: 1, 2, 4, ... up to what the machine has; 1,2 processes on CPU)
+#   --global-batch-size G  samples per step at 1 GPU (default: 8)
+#   --out DIR              results folder, new or empty (default: a new results/<date-time>-<random>)
+#   --strong               strong scaling: keep the global batch fixed
 #   --cpu                  force the CPU fallback even where there is a GPU
 #
 # Weak scaling (the default): the global batch grows with the data-parallel degree only,
 # so each data-parallel rank keeps the 1-GPU batch; model-parallel, pipeline and tensor-
 # parallel rows keep the 1-GPU batch. With no GPU, the sweep runs the tiny model in 1-2
-# CPU processes on gloo, to show the whole flow in a minute or two.
+# CPU processes on gloo, to show the whole flow in a few minutes. Every run gets
+# OMP_NUM_THREADS=1, whatever the environment says, so that all rows compare alike.
 set -uo pipefail
-cd "$(dirname "$0")"
+cd "$(dirname "$0")" || exit 2
 
-MODEL=${MODEL:-} STEPS=${STEPS:-} STRATEGIES=${STRATEGIES:-ddp,model_parallel,pipeline,hybrid,fsdp,tensor_parallel}
-GPUS=${GPUS:-} GLOBAL_BATCH=${GLOBAL_BATCH:-8} OUT=${OUT:-results/$(date +%Y%m%d-%H%M%S)} SCALING=${SCALING:-weak} CPU=0
+# One line on stderr and exit status 2, before any run starts.
+refuse() { echo "run_all.sh: $*" >&2; exit 2; }
+# one_of WORD LIST...: whether WORD is one of LIST.
+one_of() {
+    local word=$1 item
+    shift
+    for item; do [ "$item" = "$word" ] && return 0; done
+    return 1
+}
+positive='^[1-9][0-9]*$'
+
+# Lower-case names throughout: every setting starts here or from a flag, never from the environment.
+model='' steps='' strategies='' gpus='' global_batch=8 out='' scaling=weak cpu=0
 while [ $# -gt 0 ]; do
     case "$1" in
-        --model) MODEL=$2; shift 2 ;;
-        --steps) STEPS=$2; shift 2 ;;
-        --strategies) STRATEGIES=$2; shift 2 ;;
-        --gpus) GPUS=$2; shift 2 ;;
-        --global-batch-size) GLOBAL_BATCH=$2; shift 2 ;;
-        --out) OUT=$2; shift 2 ;;
-        --strong) SCALING=strong; shift ;;
-        --cpu) CPU=1; shift ;;
+        --model|--steps|--strategies|--gpus|--global-batch-size|--out)
+            [ $# -ge 2 ] && [ -n "$2" ] && [[ $2 != --* ]] || refuse "$1 needs a value (see --help)" ;;
+    esac
+    case "$1" in
+        --model) model=$2; shift 2 ;;
+        --steps) steps=$2; shift 2 ;;
+        --strategies) strategies=$2; shift 2 ;;
+        --gpus) gpus=$2; shift 2 ;;
+        --global-batch-size) global_batch=$2; shift 2 ;;
+        --out) out=$2; shift 2 ;;
+        --strong) scaling=strong; shift ;;
+        --cpu) cpu=1; shift ;;
         -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-        *) echo "run_all.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+        *) refuse "unknown option $1 (see --help)" ;;
     esac
 done
 
-read -r N_GPUS GPU_GIB GPU_NAME < <(python3 -c "
-import torch
+[ -z "$steps" ] || [[ $steps =~ $positive ]] || refuse "--steps $steps: expected a positive whole number"
+[[ $global_batch =~ $positive ]] || refuse "--global-batch-size $global_batch: expected a positive whole number"
+[ -z "$gpus" ] || [[ $gpus =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || refuse "--gpus $gpus: expected positive counts separated by commas, e.g. 1,2,4"
+# The strategies this folder holds, one *_train.py each.
+scripts=(*_train.py)
+scripts=("${scripts[@]%_train.py}")
+if [ -z "$strategies" ]; then
+    for strategy in ddp model_parallel pipeline hybrid fsdp tensor_parallel; do
+        [ -f "${strategy}_train.py" ] && strategies+=${strategies:+,}$strategy
+    done
+fi
+IFS=, read -r -a strategy_list <<< "$strategies"
+for strategy in "${strategy_list[@]}"; do
+    one_of "$strategy" "${scripts[@]}" || refuse "--strategies $strategies: no ${strategy}_train.py here; accepted: $(IFS=,; echo "${scripts[*]}")"
+done
+if [ -n "$out" ] && [ -e "$out" ]; then
+    [ -d "$out" ] && [ -z "$(ls -A "$out")" ] || refuse "--out $out: exists and is not an empty folder; name a new or empty one"
+fi
+
+# What the machine has, and the model presets common.py defines.
+machine=$(python3 -c "
+import torch, common
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
-    print(torch.cuda.device_count(), p.total_memory // 2**30, p.name.replace(' ', '_'))
+    print(torch.cuda.device_count(), p.total_memory // 2**30, p.name.replace(' ', '_'), *common.PRESETS)
 else:
-    print(0, 0, 'none')")
-if [ "$CPU" = 1 ] || [ "${N_GPUS:-0}" = 0 ]; then
-    echo "No GPU in use: CPU fallback, tiny model in 1-2 gloo processes. The numbers show the flow, not GPU performance."
-    DEVICE_ARGS=(--device cpu --num-workers 0)
-    MODEL=${MODEL:-tiny} STEPS=${STEPS:-10} GPUS=${GPUS:-1,2} MAX=2 UNIT=process
+    print(0, 0, 'none', *common.PRESETS)") || exit 2
+read -r n_gpus gpu_gib gpu_name preset_names <<< "$machine"
+read -r -a presets <<< "$preset_names"
+[ -z "$model" ] || one_of "$model" "${presets[@]}" || refuse "--model $model: not a preset of common.py; accepted: $(IFS=,; echo "${presets[*]}")"
+
+if [ "$cpu" = 1 ] || [ "$n_gpus" = 0 ]; then
+    device_args=(--device cpu --num-workers 0)
+    model=${model:-tiny} steps=${steps:-10} gpus=${gpus:-1,2} max=2 max_label="2 processes"
+    echo "No GPU in use: CPU fallback, model $model in 1-2 gloo processes, $scaling scaling, $steps steps per run. The numbers show the flow, not GPU performance."
 else
-    [ -n "$MODEL" ] || { [ "$GPU_GIB" -ge 60 ] && MODEL=2.5b || MODEL=350m; }
-    DEVICE_ARGS=(--device cuda)
-    STEPS=${STEPS:-20} MAX=$N_GPUS UNIT=GPU
-    if [ -z "$GPUS" ]; then
-        GPUS=1; n=2
-        while [ $n -le "$N_GPUS" ]; do GPUS="$GPUS,$n"; n=$((n * 2)); done
-        case ",$GPUS," in *",$N_GPUS,"*) ;; *) GPUS="$GPUS,$N_GPUS" ;; esac
+    [ -n "$model" ] || { [ "$gpu_gib" -ge 60 ] && model=2.5b || model=350m; }
+    device_args=(--device cuda)
+    steps=${steps:-20} max=$n_gpus max_label="$n_gpus GPU"
+    [ "$n_gpus" = 1 ] || max_label+=s
+    if [ -z "$gpus" ]; then
+        gpus=1 n=2
+        while [ $n -le "$n_gpus" ]; do gpus="$gpus,$n"; n=$((n * 2)); done
+        case ",$gpus," in *",$n_gpus,"*) ;; *) gpus="$gpus,$n_gpus" ;; esac
     fi
-    echo "$N_GPUS x ${GPU_NAME//_/ } ($GPU_GIB GiB): model $MODEL, $SCALING scaling, $STEPS steps per run"
+    echo "$n_gpus x ${gpu_name//_/ } ($gpu_gib GiB): model $model, $scaling scaling, $steps steps per run"
 fi
-mkdir -p "$OUT/logs"
-RESULTS="$OUT/results.jsonl" FAILURES="$OUT/failures.jsonl"
-: > "$RESULTS"; : > "$FAILURES"
-N_LAYERS=$(python3 -c "import common; print(common.PRESETS['$MODEL'].n_layers)") || exit 2
-N_HEADS=$(python3 -c "import common; print(common.PRESETS['$MODEL'].n_heads)")
+shape=$(python3 -c "import common; c = common.PRESETS['$model']; print(c.n_layers, c.n_heads)") || exit 2
+read -r n_layers n_heads <<< "$shape"
+
+# A folder of its own for every sweep: mktemp makes a new one atomically, and an explicit
+# --out is claimed by creating its logs/, which fails if another sweep got there first.
+if [ -z "$out" ]; then
+    mkdir -p results && out=$(mktemp -d "results/$(date +%Y%m%d-%H%M%S)-XXXXXX") || exit 2
+fi
+mkdir -p "$out" && mkdir "$out/logs" || exit 2
+results="$out/results.jsonl" failures="$out/failures.jsonl"
+: > "$results"; : > "$failures"
+
+# torchrun sets OMP_NUM_THREADS=1 only when it starts more than one process, so without
+# this the 1-GPU rows would run with every core and the others with one thread each.
+# One thread per process for every row: on CPU, n processes then use n cores.
+export OMP_NUM_THREADS=1
 
 # The global batch of one strategy at n GPUs: weak scaling grows it with the data-parallel degree.
 batch_for() {
@@ -74,47 +127,46 @@ batch_for() {
         model_parallel|pipeline|tensor_parallel) dp=1 ;;
         hybrid) dp=$((n / 2)) ;;
     esac
-    [ "$SCALING" = weak ] && [ "$dp" -ge 1 ] && echo $((GLOBAL_BATCH * dp)) || echo "$GLOBAL_BATCH"
+    [ "$scaling" = weak ] && [ "$dp" -ge 1 ] && echo $((global_batch * dp)) || echo "$global_batch"
 }
 
 # The flags of one strategy at n GPUs, or "skip: reason".
 plan() {
-    local strategy=$1 n=$2 BATCH dp
-    BATCH=$(batch_for "$strategy" "$n") dp=$((n / 2))
-    [ "$n" -le "$MAX" ] || { echo "skip: only $MAX ${UNIT}s here"; return; }
+    local strategy=$1 n=$2 batch dp
+    batch=$(batch_for "$strategy" "$n") dp=$((n / 2))
+    [ "$n" -le "$max" ] || { echo "skip: only $max_label here"; return; }
     case $strategy in
-        ddp|fsdp) echo "" ;;
-        model_parallel) [ "$n" -le "$N_LAYERS" ] && echo "" || echo "skip: more ranks than the model's $N_LAYERS blocks" ;;
+        model_parallel) [ "$n" -le "$n_layers" ] && echo "" || echo "skip: more ranks than the model's $n_layers blocks" ;;
         pipeline)
             # 1F1B needs at least as many micro-batches as stages; two per stage shrinks the bubble.
-            if [ "$n" -gt "$N_LAYERS" ]; then echo "skip: more stages than the model's $N_LAYERS blocks"
+            if [ "$n" -gt "$n_layers" ]; then echo "skip: more stages than the model's $n_layers blocks"
             elif [ "$n" = 1 ]; then echo "--schedule 1f1b --micro-batches 1"
-            elif [ $((BATCH % (2 * n))) = 0 ]; then echo "--schedule 1f1b --micro-batches $((2 * n))"
-            elif [ $((BATCH % n)) = 0 ]; then echo "--schedule 1f1b --micro-batches $n"
-            else echo "skip: global batch $BATCH does not split into $n micro-batches"; fi ;;
+            elif [ $((batch % (2 * n))) = 0 ]; then echo "--schedule 1f1b --micro-batches $((2 * n))"
+            elif [ $((batch % n)) = 0 ]; then echo "--schedule 1f1b --micro-batches $n"
+            else echo "skip: global batch $batch does not split into $n micro-batches"; fi ;;
         hybrid)
-            if [ "$n" -lt 2 ] || [ $((n % 2)) != 0 ]; then echo "skip: needs an even number of ranks (2 pipeline stages x data parallel)"
-            elif [ $((BATCH / dp % 4)) = 0 ]; then echo "--pp 2 --schedule 1f1b --micro-batches 4"
-            else echo "skip: global batch $BATCH does not split into $dp replicas x 4 micro-batches"; fi ;;
-        tensor_parallel) [ $((N_HEADS % n)) = 0 ] && echo "" || echo "skip: $N_HEADS heads do not split over $n ranks" ;;
+            if [ "$n" -lt 2 ] || [ $((n % 2)) != 0 ]; then echo "skip: needs an even number of ranks, 2 pipeline stages x data parallel"
+            elif [ $((batch / dp % 4)) = 0 ]; then echo "--pp 2 --schedule 1f1b --micro-batches 4"
+            else echo "skip: global batch $batch does not split into $dp replicas x 4 micro-batches"; fi ;;
+        tensor_parallel) [ $((n_heads % n)) = 0 ] && echo "" || echo "skip: $n_heads heads do not split over $n ranks" ;;
+        *) echo "" ;;  # ddp, fsdp, and scripts this sweep does not know: no flags of their own
     esac
 }
 
-IFS=, read -r -a STRATEGY_LIST <<< "$STRATEGIES"
-IFS=, read -r -a GPU_LIST <<< "$GPUS"
-TOTAL=$(( ${#STRATEGY_LIST[@]} * ${#GPU_LIST[@]} )) i=0
-for strategy in "${STRATEGY_LIST[@]}"; do
-    for n in "${GPU_LIST[@]}"; do
+IFS=, read -r -a gpu_list <<< "$gpus"
+total=$(( ${#strategy_list[@]} * ${#gpu_list[@]} )) i=0
+for strategy in "${strategy_list[@]}"; do
+    for n in "${gpu_list[@]}"; do
         i=$((i + 1))
-        if [ ! -f "${strategy}_train.py" ]; then echo "[$i/$TOTAL] $strategy x$n ... skipped: no ${strategy}_train.py"; continue; fi
         args=$(plan "$strategy" "$n") batch=$(batch_for "$strategy" "$n")
-        case $args in skip:*) echo "[$i/$TOTAL] $strategy x$n ... skipped (${args#skip: })"; continue ;; esac
-        log="$OUT/logs/${strategy}_x$n.log"
-        printf '[%d/%d] %s x%d ... ' "$i" "$TOTAL" "$strategy" "$n"
+        case $args in skip:*) echo "[$i/$total] $strategy x$n ... skipped (${args#skip: })"; continue ;; esac
+        log="$out/logs/${strategy}_x$n.log"
+        # The strategy's own flags are shown, so what a row ran can be checked against its record.
+        printf '[%d/%d] %s x%d%s ... ' "$i" "$total" "$strategy" "$n" "${args:+ $args}"
         start=$(date +%s)
         # shellcheck disable=SC2086  # $args holds several flags
-        torchrun --standalone --nproc_per_node="$n" "${strategy}_train.py" --model "$MODEL" --steps "$STEPS" \
-            --global-batch-size "$batch" "${DEVICE_ARGS[@]}" --results "$RESULTS" $args > "$log" 2>&1
+        torchrun --standalone --nproc_per_node="$n" "${strategy}_train.py" --model "$model" --steps "$steps" \
+            --global-batch-size "$batch" "${device_args[@]}" --results "$results" $args > "$log" 2>&1
         status=$? seconds=$(( $(date +%s) - start ))
         if [ $status = 0 ]; then
             echo "$seconds s"
@@ -122,88 +174,9 @@ for strategy in "${STRATEGY_LIST[@]}"; do
             error=$(grep -m1 -E '^error: |Error: |Error\b' "$log" || tail -n 1 "$log")
             echo "FAILED after $seconds s: ${error:0:160} (log: $log)"
             python3 -c 'import json, sys; s, n, b, e, l = sys.argv[1:]; print(json.dumps({"strategy": s, "world_size": int(n), "global_batch_size": int(b), "error": e, "log": l}))' \
-                "$strategy" "$n" "$batch" "$error" "$log" >> "$FAILURES"
+                "$strategy" "$n" "$batch" "$error" "$log" >> "$failures"
         fi
     done
 done
 
-python3 - "$OUT" <<'PY'
-"""The comparison table, from the results lines the runs wrote."""
-import json
-import os
-import sys
-
-from tabulate import tabulate
-
-out = sys.argv[1]
-records = [json.loads(line) for line in open(os.path.join(out, "results.jsonl"))]
-failures = [json.loads(line) for line in open(os.path.join(out, "failures.jsonl"))]
-ORDER = ["ddp", "model_parallel", "pipeline", "hybrid", "fsdp", "tp"]  # the article's, then the rest
-STRATEGY_OF_SCRIPT = {"tensor_parallel": "tp"}
-baseline = next((r for r in records if r["strategy"] == "ddp" and r["world_size"] == 1), None)
-
-
-def name(strategy, world_size):
-    return "single-GPU baseline" if strategy == "ddp" and world_size == 1 else strategy
-
-
-def overhead(r):
-    """What keeps this strategy from scaling, as it measured it."""
-    if r.get("comm_pct") is not None:
-        return f"comm {r['comm_pct']:.1f}"
-    if r.get("bubble_pct") is not None:
-        return f"bubble {r['bubble_pct']:.1f}"
-    if r.get("utilisation_pct") is not None:
-        return f"idle {100 - r['utilisation_pct']:.1f}"
-    return "-"
-
-
-rows = []
-for r in records:
-    speedup = r["samples_per_sec"] / baseline["samples_per_sec"] if baseline else None
-    rows.append((ORDER.index(r["strategy"]) if r["strategy"] in ORDER else len(ORDER), r["world_size"], [
-        name(r["strategy"], r["world_size"]), r["world_size"], r["global_batch_size"], f"{r['samples_per_sec']:.2f}",
-        "-" if speedup is None else f"{speedup:.2f}x",
-        "-" if speedup is None else f"{100 * speedup / r['world_size']:.0f}%",
-        "-" if r["mfu"] is None else f"{r['mfu']:.1f}%",
-        f"{r['peak_mem_gib']:.2f} ({r['mem_pct']:.0f}%)", overhead(r)]))
-for f in failures:
-    strategy = STRATEGY_OF_SCRIPT.get(f["strategy"], f["strategy"])
-    rows.append((ORDER.index(strategy) if strategy in ORDER else len(ORDER), f["world_size"],
-                 [name(strategy, f["world_size"]), f["world_size"], f["global_batch_size"], f"failed: {f['error'][:60]}", "-", "-", "-", "-", "-"]))
-rows.sort(key=lambda row: row[:2])
-headers = ["strategy", "GPUs", "global batch", "samples/s", "speedup", "efficiency", "MFU", "peak GiB (%)", "overhead %"]
-table = [row for _, _, row in rows]
-print()
-print(tabulate(table, headers=headers, disable_numparse=True))
-with open(os.path.join(out, "table.md"), "w") as f:
-    f.write(tabulate(table, headers=headers, tablefmt="github", disable_numparse=True) + "\n")
-if records:
-    r = records[0]
-    print(f"\n{r['model']} ({r['params'] / 1e6:,.1f}M parameters), {r['seq_len']} tokens per sample, torch {r['torch_version']}, "
-          f"{r['gpu_name'] or 'CPU'}. Speedup: samples/s over the single-GPU baseline; efficiency: speedup / GPUs.")
-print("The article (8x V100, 2.5B): DDP 3.73x on 4 and 6.31x on 8, model parallel 2.04x on 4, pipeline 2.63x on 4, "
-      "hybrid 6.92x on 8; partly impossible (README, 'What the article claims'): contrast, do not fit.")
-print(f"Table: {out}/table.md; results lines: {out}/results.jsonl; logs: {out}/logs/")
-
-try:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-except ImportError:
-    sys.exit(0)
-if baseline:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    counts = sorted({r["world_size"] for r in records})
-    ax.plot(counts, counts, "k--", label="ideal")
-    for strategy in ORDER:
-        points = sorted((r["world_size"], r["samples_per_sec"] / baseline["samples_per_sec"]) for r in records if r["strategy"] == strategy)
-        if points:
-            ax.plot(*zip(*points), "o-", label=strategy)
-    ax.set_xlabel("GPUs")
-    ax.set_ylabel("speedup over 1 GPU")
-    ax.legend()
-    fig.savefig(os.path.join(out, "speedup.png"), dpi=120, bbox_inches="tight")
-    print(f"Plot: {out}/speedup.png")
-PY
+python3 sweep_report.py "$out"
