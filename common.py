@@ -7,6 +7,7 @@ Nothing here is specific to one strategy: the parallelism itself lives in each
 """
 
 import argparse
+import inspect
 import json
 import logging
 import math
@@ -395,6 +396,10 @@ def base_parser(doc):
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA with NCCL where there is a GPU, else CPU with gloo")
     g.add_argument("--timeout", type=number(float, 1, 7 * 86400, accepted="a number of seconds from 1 to 604800 (a week)"), default=600,
                    help="seconds a collective waits for a peer, and a step may take, before the job fails (default: 600)")
+    g.add_argument("--simulate", type=number(int, 2, 4096, accepted="a number of ranks from 2 to 4096"), metavar="N",
+                   help="run as one rank of an N-rank job on this one device (a fake process group): that rank's compute and memory are "
+                        "real, its communication is counted, not sent; run_all.sh --simulate predicts from it (see README)")
+    g.add_argument("--simulate-rank", type=non_negative, default=0, metavar="R", help="with --simulate: the rank to be (default: 0)")
     g = p.add_argument_group("output")
     g.add_argument("--log-every", type=positive, default=1, help="print a step line every N steps (default: 1)")
     g.add_argument("--timing-warmup-steps", type=non_negative, default=3, help="first steps left out of throughput figures (default: 3)")
@@ -421,6 +426,11 @@ def parse_args(parser):
     check(not args.checkpoint_every or args.checkpoint_dir, "--checkpoint-every needs --checkpoint-dir DIR to save into")
     check(not args.profile or args.steps >= args.timing_warmup_steps + 4,
           f"--profile traces 3 steps after --timing-warmup-steps {args.timing_warmup_steps} and one more: it needs --steps of at least {args.timing_warmup_steps + 4}")
+    if args.simulate:
+        check(args.simulate_rank < args.simulate, f"--simulate-rank {args.simulate_rank} must be below --simulate {args.simulate}")
+        check(int(os.environ.get("WORLD_SIZE", "1")) == 1, "--simulate plays every rank's part in one process: launch it with python, not torchrun on several")
+        check(not args.checkpoint_dir, "--simulate cannot checkpoint: the other ranks' parts exist nowhere")
+    check(args.simulate or not args.simulate_rank, "--simulate-rank needs --simulate N")
     if args.data:
         check_token_file(args.data, cfg.vocab_size, args.seq_len)
     for option, folder in (("--checkpoint-dir", args.checkpoint_dir), ("--profile", args.profile)):
@@ -584,12 +594,35 @@ def init_distributed(args, cpu_collectives=False):
     check(not (args.dtype == "fp16" and not use_cuda), "--dtype fp16 needs a GPU; use fp32 or bf16 on the CPU")
     timeout = timedelta(seconds=args.timeout)
     backend = ("cuda:nccl,cpu:gloo" if cpu_collectives else "nccl") if use_cuda else "gloo"
-    if "RANK" in os.environ:
+    if args.simulate:
+        # Every collective and transfer returns at once, having moved nothing (a receive
+        # fills nothing); everything else, this rank's share of the work, is real.
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+        dist.init_process_group("fake", store=FakeStore(), rank=args.simulate_rank, world_size=args.simulate)
+        world_size = args.simulate
+        log(f"simulated: rank {args.simulate_rank} of {args.simulate} on one {device.type}; its compute and memory are real, its "
+            "communication counted, not sent. Losses from data no peer sent mean nothing, so the NaN stop is off.")
+    elif "RANK" in os.environ:
         # device_id binds NCCL's communicator to this GPU at once (no guessing, no hang).
         dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return Env(dist.get_rank(), world_size, local_rank, device)
+
+
+def simulated_allreduce_hook(dtype):
+    """DDP's communication hook under --simulate: a fake all-reduce returns no future for
+    DDP to wait on, so the bucket is all-reduced at once (counted, in the dtype the
+    chosen --comm-hook would send) and handed back done."""
+
+    def hook(group, bucket):  # registered with DDP's process group as its state
+        dist.all_reduce(bucket.buffer().to(dtype), group=group)
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    return hook
 
 
 def make_mesh(env, **dims):
@@ -757,15 +790,17 @@ class TrainLog:
         communication is counted (its time is left out of throughput where other
         steps were timed: the counter slows each op down)."""
         for step in range(self.start_step, self.args.steps):
-            if step == self.args.steps - 1:
+            last = step == self.args.steps - 1
+            if last:
                 self.counted_step = step + 1
-                self.comm.__enter__()  # until end_step, so the bookkeeping all-reduce is not counted
+            # Until end_step, so that its own bookkeeping all-reduce is not counted.
+            self.comm.start(count=last, fill_receives=bool(self.args.simulate) and step == self.start_step)
             yield step
 
     def end_step(self, step, loss, grad_norm, lr):
         """`loss` is this rank's share of the global-batch mean loss (the shares of all ranks
         sum to it). Returns True when a SIGTERM asks the job to stop after this step."""
-        self.comm.__exit__(None, None, None)
+        self.comm.stop()
         fault_point("step", step + 1)
         if fault_point("loss", step + 1):
             loss = loss * float("nan")
@@ -778,7 +813,7 @@ class TrainLog:
         # A checkpoint saved after the previous step is not part of this one.
         self.step_times.append(now - self.last - (self.ckpt.save_seconds - self.saved_before))
         self.last, self.saved_before = now, self.ckpt.save_seconds
-        if not math.isfinite(loss_value):
+        if not math.isfinite(loss_value) and not self.args.simulate:
             raise NonFiniteLoss(f"loss is {loss_value} at step {step + 1}; lower --lr, keep --grad-clip on, or use bf16 rather than fp16")
         self.losses.append(loss_value)
         self.grad_norms.append(grad_norm)
@@ -841,6 +876,8 @@ class TrainLog:
             "mem_pct": mem_pct,
             "comm_pct": None,
             "comm_per_step": None if self.counted_step is None else self.comm.record(),  # the last step's, see steps()
+            "simulated_rank": self.env.rank if self.args.simulate else None,  # world_size is then the simulated world's
+            "step_seconds": seconds,
             "torch_version": torch.__version__,
             **extra,
             "config": vars(self.args),
@@ -910,7 +947,11 @@ class CommCounter:
     the dispatcher (a TorchDispatchMode, as torch's CommDebugMode), so DDP's reducer,
     FSDP's hooks, DTensor's redistributions and the pipeline's sends are all counted as
     they really run, not as a formula says they should. Costly per op, so TrainLog turns
-    it on for one step only."""
+    it on for one step only.
+
+    Under --simulate it can also make a receive deliver ones where a fake one delivers
+    nothing: a pipeline's first step agrees over receives that every stage was given its
+    shapes (common.stage_shapes), and would otherwise read a garbage answer."""
 
     def __init__(self):
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -922,16 +963,22 @@ class CommCounter:
                 dtensor = sys.modules.get("torch.distributed.tensor")
                 if dtensor is not None and any(issubclass(t, dtensor.DTensor) for t in types):
                     return NotImplemented  # let DTensor turn itself into the collectives it needs
+                out = func(*args, **(kwargs or {}))
                 name = str(func.overloadpacket)
                 if name in _COLLECTIVES:
                     counter.add(name, args)
-                return func(*args, **(kwargs or {}))
+                return out
 
-        self.mode, self.totals, self.on = Mode(), {}, False
+        self.mode, self.totals, self.on, self.counting, self.fill_receives = Mode(), {}, False, False, False
 
     def add(self, name, args):
         kind, buffer_arg = _COLLECTIVES[name]
         tensors = _tensors(args[buffer_arg])
+        if kind == "recv" and self.fill_receives:
+            for t in tensors:
+                t.fill_(1)
+        if not self.counting:
+            return
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         if name.startswith("_c10d_functional.all_gather"):
             nbytes *= args[1]  # given the shard: the gathered buffer is group_size shards
@@ -939,15 +986,16 @@ class CommCounter:
         calls, total = self.totals.get(key, (0, 0))
         self.totals[key] = (calls + 1, total + nbytes)
 
-    def __enter__(self):
-        self.on = True
-        self.mode.__enter__()
-        return self
+    def start(self, count, fill_receives=False):
+        self.counting, self.fill_receives = count, fill_receives
+        if count or fill_receives:
+            self.on = True
+            self.mode.__enter__()
 
-    def __exit__(self, *exc):
+    def stop(self):
         if self.on:
-            self.on = False
-            self.mode.__exit__(*exc)
+            self.on = self.counting = self.fill_receives = False
+            self.mode.__exit__(None, None, None)
 
     def record(self):
         """One entry per (kind, group, dtype), for the results line."""
@@ -1237,6 +1285,26 @@ def build_stage_module(cfg, args, stage, n_stages, device):
     return build_model(cfg, device, args, layers, embed=stage == 0, head=stage == n_stages - 1)
 
 
+def stage_shapes(args, cfg, stage, n_stages, micro_batch, device, activation_dtype=torch.float32):
+    """Under --simulate, what a stage receives and sends, given up front: the pipeline
+    otherwise learns it from a first exchange that a fake process group never delivers.
+    Tokens into the first stage, the residual stream between stages, logits out of the
+    last (their matmul's dtype under autocast). Empty, so the stage infers it, otherwise."""
+    if not args.simulate:
+        return {}
+    from torch.distributed.pipelining import PipelineStage
+
+    stream = torch.zeros(micro_batch, args.seq_len, cfg.d_model, dtype=activation_dtype, device=device)
+    first, last = stage == 0, stage == n_stages - 1
+    logits_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    shapes = {"input_args": torch.zeros(micro_batch, args.seq_len, dtype=torch.long, device=device) if first else stream,
+              "output_args": torch.zeros(micro_batch, args.seq_len, cfg.vocab_size, dtype=logits_dtype, device=device) if last else stream,
+              # Newer torch also wants the gradients' shapes up front (the same as the stream's).
+              "input_grads": None if first else stream, "output_grads": None if last else stream}
+    accepted = inspect.signature(PipelineStage.__init__).parameters
+    return {k: v for k, v in shapes.items() if k in accepted}
+
+
 def make_schedule(args, stages, n_microbatches, loss):
     """Build the schedule once; its own rules on micro-batches come back as one line.
     scale_grads=False: `loss` must already be normalised by the global batch, since the
@@ -1284,7 +1352,28 @@ def pipeline_report(timer, tlog, args, schedule, modules, pp_size, device):
         f"in theory for {args.schedule} with {pp_size} ranks x {args.stages_per_rank} stages and {args.micro_batches} micro-batches")
     return {"schedule": args.schedule, "micro_batches": args.micro_batches, "stages_per_rank": args.stages_per_rank,
             "schedule_class": type(schedule).__name__, "actions_last_step": timer.last_actions, "blocks_per_rank": blocks,
+            "action_seconds": timer.mean_seconds(tlog.timed), "pipeline_order": pipeline_order(schedule, args, pp_size),
             "busy_pct_per_rank": busy, "utilisation_pct": utilisation, "bubble_pct": 100 - utilisation, "bubble_pct_theory": theory}
+
+
+def pipeline_order(schedule, args, pp_size):
+    """Every pipeline rank's compute actions in the order its schedule runs them, as
+    "F1:0": from the schedule itself for the multi-stage schedules (their runtime executes
+    that table), from GPipe's and 1F1B's definitions for the single-stage ones (newer
+    torch tabulates those too, but the table is not what runs: it is off by one on the
+    last stage in 2.13)."""
+    if args.schedule not in ("gpipe", "1f1b"):
+        order = schedule.pipeline_order
+        return {rank: [f"{a.computation_type.value}{a.stage_index}:{a.microbatch_index}" for a in actions
+                       if a is not None and a.computation_type.value in ("F", "B", "I", "W")] for rank, actions in order.items()}
+    m, orders = args.micro_batches, {}
+    for rank in range(pp_size):
+        warmup = m if args.schedule == "gpipe" else min(m, pp_size - rank)  # 1F1B: a forward for every stage ahead
+        order = [f"F{rank}:{i}" for i in range(warmup)]
+        for i in range(m):  # then one backward, one forward
+            order += [f"B{rank}:{i}"] + ([f"F{rank}:{warmup + i}"] if warmup + i < m else [])
+        orders[rank] = order
+    return orders
 
 
 class ComputeTimer:
@@ -1292,27 +1381,28 @@ class ComputeTimer:
     and the optimizer step), to measure utilisation rather than assume it. CUDA events on
     a GPU: the host only queues the work. Also keeps the order in which the schedule ran
     a step's actions on this rank ("F1:0" is stage 1's forward of micro-batch 0; B a whole
-    backward, I its input-gradient half, W its weight-gradient half)."""
+    backward, I its input-gradient half, W its weight-gradient half), and each kind's
+    time, from which run_all.sh --simulate replays a schedule."""
 
     def __init__(self, device, optimizer, stages=()):
         self.cuda = device.type == "cuda"
-        self.spans, self.busy, self.actions, self.last_actions = [], [], [], []
+        self.spans, self.busy, self.seconds_by_kind, self.actions, self.last_actions = [], [], [], [], []
         for stage in stages:
             for name, letter in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
                 setattr(stage, name, self.timed(getattr(stage, name), letter, stage.stage_index))
-        optimizer.register_step_pre_hook(lambda *_: self.spans.append((self._mark(), None)))
-        optimizer.register_step_post_hook(lambda *_: self.spans.append((self.spans.pop()[0], self._mark())))
+        optimizer.register_step_pre_hook(lambda *_: self.spans.append((self._mark(), None, "optimizer")))
+        optimizer.register_step_post_hook(lambda *_: self.spans.append((self.spans.pop()[0], self._mark(), "optimizer")))
 
-    def timed(self, fn, letter=None, stage_index=None):
+    def timed(self, fn, letter, stage_index=None):
         def wrapper(*args, **kwargs):
-            if letter is not None:  # args[0] is the micro-batch
-                half = letter == "B" and not kwargs.get("full_backward", True)
-                self.actions.append(f"{'I' if half else letter}{stage_index}:{args[0]}")
+            kind = "I" if letter == "B" and not kwargs.get("full_backward", True) else letter
+            if stage_index is not None:  # args[0] is the micro-batch
+                self.actions.append(f"{kind}{stage_index}:{args[0]}")
             start = self._mark()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.spans.append((start, self._mark()))
+                self.spans.append((start, self._mark(), kind))
         return wrapper
 
     def _mark(self):
@@ -1324,14 +1414,22 @@ class ComputeTimer:
 
     def end_step(self, step_seconds):
         """Call after each step, once its device work has finished (TrainLog.end_step)."""
-        if self.cuda:
-            seconds = sum(a.elapsed_time(b) for a, b in self.spans) / 1000
-        else:
-            seconds = sum(b - a for a, b in self.spans)
+        by_kind = {}
+        for start, end, kind in self.spans:
+            seconds = start.elapsed_time(end) / 1000 if self.cuda else end - start
+            total, count = by_kind.get(kind, (0.0, 0))
+            by_kind[kind] = (total + seconds, count + 1)
         self.spans, self.last_actions, self.actions = [], self.actions, []
-        self.busy.append(seconds / step_seconds)
+        self.busy.append(sum(total for total, _ in by_kind.values()) / step_seconds)
+        self.seconds_by_kind.append(by_kind)
 
     def busy_pct(self, timed):
         """Mean busy % of this rank over the steps `timed` (TrainLog.timed) selects."""
         busy = timed(self.busy)
         return 100 * sum(busy) / len(busy)
+
+    def mean_seconds(self, timed):
+        """Mean seconds of one action of each kind (F, B, I, W, optimizer) over the timed steps."""
+        steps = timed(self.seconds_by_kind)
+        kinds = {kind for step in steps for kind in step}
+        return {kind: sum(s[kind][0] for s in steps if kind in s) / sum(s[kind][1] for s in steps if kind in s) for kind in kinds}

@@ -55,7 +55,9 @@ def powersgd_bucket_by_bucket(state, bucket):
 
 def register_comm_hook(model, args):
     """Compress gradients on the wire (the article's communication-hook advice)."""
-    if args.comm_hook == "fp16":
+    if args.simulate:
+        model.register_comm_hook(None, common.simulated_allreduce_hook({"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.comm_hook, torch.float32)))
+    elif args.comm_hook == "fp16":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif args.comm_hook == "bf16":
         model.register_comm_hook(None, bf16_compress)
@@ -127,6 +129,7 @@ def main():
     common.check(args.global_batch_size % (env.world_size * args.grad_accum) == 0,
                  f"--global-batch-size {args.global_batch_size} must divide evenly over {env.world_size} ranks x --grad-accum {args.grad_accum}")
     common.check(args.comm_hook == "none" or env.world_size > 1, "--comm-hook needs more than one rank: at world size 1 nothing is communicated")
+    common.check(not (args.simulate and args.comm_hook == "powersgd"), "--comm-hook powersgd cannot be simulated: its factors depend on data the fake peers never send")
 
     # Every rank builds the same full model from the same seed.
     raw_model = common.build_model(cfg, env.device, args)
@@ -168,7 +171,7 @@ def main():
                 break
 
     extra = {}
-    if env.world_size > 1 and not stop:  # after a SIGTERM, the time left is the scheduler's
+    if env.world_size > 1 and not stop and not args.simulate:  # after a SIGTERM, the time left is the scheduler's
         comm_pct, bus_gbps = measure_communication(model, batches, args, env, scaler)
         nominal = nvlink_gbps(env.device)
         common.log(f"exposed communication {comm_pct:.1f}% of a step; all-reduce bus bandwidth {bus_gbps:.1f} GB/s "

@@ -37,8 +37,11 @@ def replicate(modules, args, dp_mesh, device):
         # find_unused_parameters=True: the reducer then re-detects each micro-batch's
         # parameters instead of rebuilding its bucket order from all of them at once
         # (which fails at step 2), and static_graph=True would not synchronise at all.
-        return [DDP(m, process_group=dp_mesh.get_group(), find_unused_parameters=True,
-                    device_ids=[device.index] if device.type == "cuda" else None) for m in modules]
+        replicas = [DDP(m, process_group=dp_mesh.get_group(), find_unused_parameters=True,
+                        device_ids=[device.index] if device.type == "cuda" else None) for m in modules]
+        for replica in replicas if args.simulate else []:
+            replica.register_comm_hook(dp_mesh.get_group(), common.simulated_allreduce_hook(torch.float32))
+        return replicas
     # bf16 compute with fp32 gradient reduction; parameters stay gathered between a step's
     # micro-batches (reshard_after_forward=False), or every micro-batch would gather them.
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.dtype == "bf16" else MixedPrecisionPolicy()
@@ -87,7 +90,10 @@ def main():
     stage_ids = common.stages_of_rank(args.schedule, pp_rank, pp, args.stages_per_rank)
     modules = [common.build_stage_module(cfg, args, s, n_stages, env.device) for s in stage_ids]
     wrapped = replicate(modules, args, mesh["dp"], env.device)
-    stages = [PipelineStage(w, s, n_stages, env.device, group=mesh["pp"].get_group()) for w, s in zip(wrapped, stage_ids)]
+    # FSDP's bf16 policy casts each unit's input, so the residual stream crosses stages in bf16.
+    stream = torch.bfloat16 if args.dp_wrapper == "fsdp" and args.dtype == "bf16" else torch.float32
+    shapes = [common.stage_shapes(args, cfg, s, n_stages, batch_per_call // args.micro_batches, env.device, stream) for s in stage_ids]
+    stages = [PipelineStage(w, s, n_stages, env.device, group=mesh["pp"].get_group(), **shape) for w, s, shape in zip(wrapped, stage_ids, shapes)]
     micro_batches_per_step = args.micro_batches * args.grad_accum
     schedule = common.make_schedule(args, stages, args.micro_batches, lambda out, y: common.loss_fn(out, y) / micro_batches_per_step)
     has_first, has_last = 0 in stage_ids, n_stages - 1 in stage_ids

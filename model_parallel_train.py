@@ -73,7 +73,7 @@ def main():
     # What crosses a boundary: the residual stream, fp32 even under autocast.
     activation_shape = (micro_batch, args.seq_len, cfg.d_model)
     timer = common.ComputeTimer(env.device, optimizer)
-    forward, backward = timer.timed(model), timer.timed(torch.autograd.backward)
+    forward, backward = timer.timed(model, "F"), timer.timed(torch.autograd.backward, "B")
     tlog = common.TrainLog(args, env, cfg, "model_parallel", ckpt)
     common.log(f"blocks per rank: {[len(r) for r in split]}")
     with common.Profiler(args, env) as prof:
@@ -127,7 +127,7 @@ def main():
         common.log(f"rank {rank}: busy {b:5.1f}% | transfers {t:5.1f}% | idle {i:5.1f}%")
     tlog.finish(split=[len(r) for r in split],
                 busy_pct_per_rank=busy, transfer_pct_per_rank=transfer, idle_pct_per_rank=idle,
-                utilisation_pct=sum(busy) / len(busy))
+                utilisation_pct=sum(busy) / len(busy), action_seconds=timer.mean_seconds(tlog.timed))
 
 
 if __name__ == "__main__":

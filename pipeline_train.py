@@ -40,7 +40,9 @@ def main():
     # This rank's stages: only their blocks are ever built here.
     stage_ids = common.stages_of_rank(args.schedule, env.rank, env.world_size, args.stages_per_rank)
     modules = [common.build_stage_module(cfg, args, s, n_stages, env.device) for s in stage_ids]
-    stages = [PipelineStage(m, s, n_stages, env.device) for m, s in zip(modules, stage_ids)]
+    micro_batch = batch_per_call // args.micro_batches
+    stages = [PipelineStage(m, s, n_stages, env.device, **common.stage_shapes(args, cfg, s, n_stages, micro_batch, env.device))
+              for m, s in zip(modules, stage_ids)]
     # Each micro-batch's loss is divided by every micro-batch of the step, so the summed
     # gradients are the global-batch mean (the schedule itself must not divide again).
     micro_batches_per_step = args.micro_batches * args.grad_accum

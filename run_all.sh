@@ -4,6 +4,7 @@
 #
 #   bash run_all.sh                      # every strategy on 1, 2, 4, ... GPUs
 #   bash run_all.sh --strategies ddp,pipeline --gpus 1,4 --model 350m
+#   bash run_all.sh --simulate 2,4,8     # predict 2, 4, 8 GPUs from this one (README, 'Predicting')
 #
 # Options (flags only: environment variables such as MODEL or OUT, which other tools
 # set for their own purposes, are ignored):
@@ -14,6 +15,11 @@
 #   --global-batch-size G  samples per step at 1 GPU (default: 8)
 #   --out DIR              results folder, new or empty (default: a new results/<date-time>-<random>)
 #   --strong               strong scaling: keep the global batch fixed
+#   --simulate 2,4,8       also predict these GPU counts, each distinct rank run alone here on a fake process
+#                          group (default: the measured counts above 1 where there are several GPUs; none to stop)
+#   --intra-gbps X         with --simulate: bus bandwidth per GPU inside a node (default: sweep_report.LINK_GBPS)
+#   --inter-gbps Y         with --simulate: bus bandwidth per GPU across nodes (default: sweep_report.LINK_GBPS)
+#   --gpus-per-node K      with --simulate: GPUs a node holds (default: 8)
 #   --cpu                  force the CPU fallback even where there is a GPU
 #
 # Weak scaling (the default): the global batch grows with the data-parallel degree only,
@@ -36,10 +42,10 @@ one_of() {
 positive='^[1-9][0-9]*$'
 
 # Lower-case names throughout: every setting starts here or from a flag, never from the environment.
-model='' steps='' strategies='' gpus='' global_batch=8 out='' scaling=weak cpu=0
+model='' steps='' strategies='' gpus='' global_batch=8 out='' scaling=weak cpu=0 simulate='' link_args=()
 while [ $# -gt 0 ]; do
     case "$1" in
-        --model|--steps|--strategies|--gpus|--global-batch-size|--out)
+        --model|--steps|--strategies|--gpus|--global-batch-size|--out|--simulate|--intra-gbps|--inter-gbps|--gpus-per-node)
             [ $# -ge 2 ] && [ -n "$2" ] && [[ $2 != --* ]] || refuse "$1 needs a value (see --help)" ;;
     esac
     case "$1" in
@@ -51,6 +57,11 @@ while [ $# -gt 0 ]; do
         --out) out=$2; shift 2 ;;
         --strong) scaling=strong; shift ;;
         --cpu) cpu=1; shift ;;
+        --simulate) simulate=$2; shift 2 ;;
+        --intra-gbps|--inter-gbps)
+            [[ $2 =~ ^[0-9]*\.?[0-9]+$ ]] && [[ $2 =~ [1-9] ]] || refuse "$1 $2: expected a positive number of GB/s"
+            link_args+=("$1" "$2"); shift 2 ;;
+        --gpus-per-node) [[ $2 =~ $positive ]] || refuse "$1 $2: expected a positive whole number"; link_args+=("$1" "$2"); shift 2 ;;
         -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) refuse "unknown option $1 (see --help)" ;;
     esac
@@ -59,6 +70,8 @@ done
 [ -z "$steps" ] || [[ $steps =~ $positive ]] || refuse "--steps $steps: expected a positive whole number"
 [[ $global_batch =~ $positive ]] || refuse "--global-batch-size $global_batch: expected a positive whole number"
 [ -z "$gpus" ] || [[ $gpus =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || refuse "--gpus $gpus: expected positive counts separated by commas, e.g. 1,2,4"
+[ -z "$simulate" ] || [ "$simulate" = none ] || [[ $simulate =~ ^([2-9]|[1-9][0-9]+)(,([2-9]|[1-9][0-9]+))*$ ]] \
+    || refuse "--simulate $simulate: expected counts of 2 or more separated by commas, e.g. 2,4,8, or none"
 # The strategies this folder holds, one *_train.py each.
 scripts=(*_train.py)
 scripts=("${scripts[@]%_train.py}")
@@ -101,10 +114,24 @@ else
         while [ $n -le "$n_gpus" ]; do gpus="$gpus,$n"; n=$((n * 2)); done
         case ",$gpus," in *",$n_gpus,"*) ;; *) gpus="$gpus,$n_gpus" ;; esac
     fi
+    # Where several GPUs measure, predict the same counts: every run then checks the model.
+    [ -n "$simulate" ] || [ "$n_gpus" = 1 ] || simulate=${gpus#1,}
     echo "$n_gpus x ${gpu_name//_/ } ($gpu_gib GiB): model $model, $scaling scaling, $steps steps per run"
 fi
+[ "$simulate" != none ] || simulate=''
+[ -n "$simulate" ] || [ ${#link_args[@]} = 0 ] || refuse "${link_args[0]} models the wire of predicted rows: it needs --simulate"
+IFS=, read -r -a gpu_list <<< "$gpus"
+IFS=, read -r -a sim_list <<< "$simulate"
+# The model's shape, and which ranks of each simulated run differ (sweep_report.roles).
+role_pairs=()
+for strategy in "${strategy_list[@]}"; do for n in "${sim_list[@]}"; do role_pairs+=("$strategy:$n"); done; done
 shape=$(python3 -c "import common; c = common.PRESETS['$model']; print(c.n_layers, c.n_heads)") || exit 2
 read -r n_layers n_heads <<< "$shape"
+declare -A roles=()
+if [ ${#role_pairs[@]} -gt 0 ]; then
+    while read -r strategy n rank; do roles["$strategy $n"]+="${roles["$strategy $n"]:+ }$rank"; done \
+        < <(python3 sweep_report.py --roles "$model" "${role_pairs[@]}") || exit 2
+fi
 
 # A folder of its own for every sweep: mktemp makes a new one atomically, and an explicit
 # --out is claimed by creating its logs/, which fails if another sweep got there first.
@@ -153,30 +180,52 @@ plan() {
     esac
 }
 
-IFS=, read -r -a gpu_list <<< "$gpus"
-total=$(( ${#strategy_list[@]} * ${#gpu_list[@]} )) i=0
+# run_one LABEL LOG FAILURE_FIELDS COMMAND...: one run, its outcome on one line; a failure
+# is also written to failures.jsonl, with FAILURE_FIELDS (JSON) beside its error.
+run_one() {
+    local label=$1 log=$2 fields=$3 start status seconds error
+    shift 3
+    printf '%s ... ' "$label"
+    start=$(date +%s)
+    "$@" > "$log" 2>&1
+    status=$? seconds=$(( $(date +%s) - start ))
+    if [ $status = 0 ]; then
+        echo "$seconds s"
+    else
+        error=$(grep -m1 -E '^error: |Error: |Error\b' "$log" || tail -n 1 "$log")
+        echo "FAILED after $seconds s: ${error:0:160} (log: $log)"
+        python3 -c 'import json, sys; f, e, l = sys.argv[1:]; print(json.dumps({**json.loads(f), "error": e, "log": l}))' \
+            "$fields" "$error" "$log" >> "$failures"
+    fi
+}
+
+total=$(( ${#strategy_list[@]} * (${#gpu_list[@]} + ${#sim_list[@]}) )) i=0
 for strategy in "${strategy_list[@]}"; do
     for n in "${gpu_list[@]}"; do
         i=$((i + 1))
         args=$(plan "$strategy" "$n") batch=$(batch_for "$strategy" "$n")
         case $args in skip:*) echo "[$i/$total] $strategy x$n ... skipped (${args#skip: })"; continue ;; esac
-        log="$out/logs/${strategy}_x$n.log"
         # The strategy's own flags are shown, so what a row ran can be checked against its record.
-        printf '[%d/%d] %s x%d%s ... ' "$i" "$total" "$strategy" "$n" "${args:+ $args}"
-        start=$(date +%s)
         # shellcheck disable=SC2086  # $args holds several flags
-        torchrun --standalone --nproc_per_node="$n" "${strategy}_train.py" --model "$model" --steps "$steps" \
-            --global-batch-size "$batch" "${device_args[@]}" --results "$results" $args > "$log" 2>&1
-        status=$? seconds=$(( $(date +%s) - start ))
-        if [ $status = 0 ]; then
-            echo "$seconds s"
-        else
-            error=$(grep -m1 -E '^error: |Error: |Error\b' "$log" || tail -n 1 "$log")
-            echo "FAILED after $seconds s: ${error:0:160} (log: $log)"
-            python3 -c 'import json, sys; s, n, b, e, l = sys.argv[1:]; print(json.dumps({"strategy": s, "world_size": int(n), "global_batch_size": int(b), "error": e, "log": l}))' \
-                "$strategy" "$n" "$batch" "$error" "$log" >> "$failures"
-        fi
+        run_one "[$i/$total] $strategy x$n${args:+ $args}" "$out/logs/${strategy}_x$n.log" \
+            "{\"strategy\": \"$strategy\", \"world_size\": $n, \"global_batch_size\": $batch}" \
+            torchrun --standalone --nproc_per_node="$n" "${strategy}_train.py" --model "$model" --steps "$steps" \
+            --global-batch-size "$batch" "${device_args[@]}" --results "$results" $args
+    done
+    # Predicted rows: each distinct rank of an n-rank run, alone on this device (a plain
+    # python process: --simulate makes its fake world of n itself).
+    for n in "${sim_list[@]}"; do
+        i=$((i + 1))
+        args=$(max=$n plan "$strategy" "$n") batch=$(batch_for "$strategy" "$n")
+        case $args in skip:*) echo "[$i/$total] $strategy x$n simulated ... skipped (${args#skip: })"; continue ;; esac
+        for rank in ${roles["$strategy $n"]}; do
+            # shellcheck disable=SC2086
+            run_one "[$i/$total] $strategy x$n simulated rank $rank${args:+ $args}" "$out/logs/${strategy}_x${n}_rank$rank.log" \
+                "{\"strategy\": \"$strategy\", \"world_size\": $n, \"global_batch_size\": $batch, \"simulated\": true, \"simulated_rank\": $rank}" \
+                python3 "${strategy}_train.py" --simulate "$n" --simulate-rank "$rank" --model "$model" --steps "$steps" \
+                --global-batch-size "$batch" "${device_args[@]}" --results "$out/simulated.jsonl" $args
+        done
     done
 done
 
-python3 sweep_report.py "$out"
+python3 sweep_report.py "$out" "${link_args[@]}"

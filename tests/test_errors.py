@@ -54,6 +54,10 @@ BAD_OPTIONS = [
     (["--checkpoint-dir", "{tmp}/odd.bin"], "--checkpoint-dir {tmp}/odd.bin is a file, not a folder"),
     (["--checkpoint-dir", "{tmp}/odd.bin/sub"], "--checkpoint-dir {tmp}/odd.bin/sub cannot be made"),
     (["--profile", "{tmp}/odd.bin", "--steps", "5"], "--profile {tmp}/odd.bin is a file, not a folder"),
+    (["--simulate", "1"], "argument --simulate: '1' is not a number of ranks from 2"),
+    (["--simulate-rank", "1"], "--simulate-rank needs --simulate N"),
+    (["--simulate", "4", "--simulate-rank", "4"], "--simulate-rank 4 must be below --simulate 4"),
+    (["--simulate", "4", "--checkpoint-dir", "{tmp}/ck"], "--simulate cannot checkpoint"),
 ]
 # Each strategy's own options, refused the same way.
 BAD_SCRIPT_OPTIONS = [

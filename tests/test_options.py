@@ -44,6 +44,10 @@ EFFECTS = {
     "--profile": ["test_options.py::test_profile_writes_a_trace_and_the_op_table"],
     "--results": ["test_ddp.py::test_results_line_has_every_field"],
     "--checkpoint-dir": ["test_checkpoint.py::test_resume_continues_the_same_run"],
+    "--simulate": ["test_simulate.py::test_a_simulated_rank_counts_the_bytes_a_real_one_sends",
+                   "test_simulate.py::test_a_simulated_fsdp_rank_holds_one_nth_of_the_training_state"],
+    "--simulate-rank": ["test_simulate.py::test_a_simulated_pipeline_rank_runs_what_the_real_rank_runs",
+                        "test_simulate.py::test_a_simulated_fsdp_rank_holds_one_nth_of_the_training_state"],
     "--checkpoint-every": ["test_checkpoint.py::test_the_last_step_is_saved_and_an_unreadable_newest_checkpoint_is_set_aside"],
     # ddp_train.py
     "--comm-hook": ["test_ddp.py::test_comm_hook_is_close_but_not_exact"],

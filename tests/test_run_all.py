@@ -62,7 +62,7 @@ def test_a_failed_run_shows_as_failed_not_as_zero(tmp_path):
     rows, order = rows_of(tmp_path, [record("ddp", 1, 100.0), record("fsdp", 2, 90.0, 16)], [failure("fsdp", 2, 16), failure("tensor_parallel", 2)])
     assert order == [("single-GPU baseline", 1), ("fsdp", 2), ("tp", 2)]
     for key in [("fsdp", 2), ("tp", 2)]:
-        assert rows[key][3:] == ["failed: error: out of memory", "-", "-", "-", "-", "-"]
+        assert rows[key][3:] == ["failed: error: out of memory", "-", "-", "-", "-", "-", "-"]
 
 
 def test_rows_come_in_the_articles_order_whatever_the_input_order(tmp_path):
@@ -160,28 +160,41 @@ def test_cpu_sweep_reports_what_the_runs_measured(tmp_path):
     (tmp_path / "broken_train.py").write_text(
         "import json, os, sys\n"
         "with open('threads.jsonl', 'a') as f:\n"
-        "    f.write(json.dumps([os.environ['WORLD_SIZE'], os.environ.get('OMP_NUM_THREADS')]) + '\\n')\n"
+        "    f.write(json.dumps([os.environ.get('WORLD_SIZE', '1'), os.environ.get('OMP_NUM_THREADS')]) + '\\n')\n"
         "print('error: broken on purpose', file=sys.stderr)\n"
         "sys.exit(2)\n")
     out = tmp_path / "out"
     # Generic variables another tool may have set must not reach the runs.
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
     env.update(MODEL="gpt2", STEPS="7", STRATEGIES="fsdp", GPUS="4", GLOBAL_BATCH="3", SCALING="strong", OUT=str(tmp_path / "elsewhere"))
-    proc = subprocess.run(["bash", "run_all.sh", "--cpu", "--strategies", "ddp,broken,pipeline", "--gpus", "1,2",
+    proc = subprocess.run(["bash", "run_all.sh", "--cpu", "--strategies", "ddp,broken,pipeline", "--gpus", "1,2", "--simulate", "2",
                            "--steps", "3", "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "CPU fallback" in proc.stdout.splitlines()[0]
-    assert "[1/6] ddp x1 ... " in proc.stdout and "[6/6] pipeline x2 " in proc.stdout
-    assert "[3/6] broken x1 ... FAILED" in proc.stdout and "(log: " in proc.stdout
+    assert "[1/9] ddp x1 ... " in proc.stdout and "[8/9] pipeline x2 " in proc.stdout
+    assert "[4/9] broken x1 ... FAILED" in proc.stdout and "(log: " in proc.stdout
+    # Each distinct rank of a simulated run once: DDP's ranks are alike, a pipeline's ends are not.
+    assert "[3/9] ddp x2 simulated rank 0 ... " in proc.stdout and "[6/9] broken x2 simulated rank 0 ... FAILED" in proc.stdout
+    assert "[9/9] pipeline x2 simulated rank 0 " in proc.stdout and "[9/9] pipeline x2 simulated rank 1 " in proc.stdout
+    simulated = {(r["strategy"], r["world_size"], r["simulated_rank"]) for r in map(json.loads, open(out / "simulated.jsonl"))}
+    assert simulated == {("ddp", 2, 0), ("pipeline", 2, 0), ("pipeline", 2, 1)}
 
     records = {(r["strategy"], r["world_size"]): r for r in map(json.loads, open(out / "results.jsonl"))}
     assert set(records) == {("ddp", 1), ("ddp", 2), ("pipeline", 1), ("pipeline", 2)}
     assert {(r["model"], r["steps"]) for r in records.values()} == {("tiny", 3)}
     base = records["ddp", 1]["samples_per_sec"]
-    rows = table_md_rows(out / "table.md")
-    # Article order: baseline, data parallel, pipeline; then strategies it does not have.
-    assert [(row[0], row[1]) for row in rows] == [("single-GPU baseline", "1"), ("ddp", "2"), ("pipeline", "1"),
-                                                  ("pipeline", "2"), ("broken", "1"), ("broken", "2")]
+    table = table_md_rows(out / "table.md")
+    # Article order: baseline, data parallel, pipeline; then strategies it does not have. A
+    # predicted row follows the measured one of the same run.
+    assert [(row[0], row[1]) for row in table] == [("single-GPU baseline", "1"), ("ddp", "2"), ("ddp (predicted)", "2"), ("pipeline", "1"),
+                                                   ("pipeline", "2"), ("pipeline (predicted)", "2"), ("broken", "1"), ("broken", "2"),
+                                                   ("broken (predicted)", "2")]
+    predicted = {row[0]: row for row in table if "predicted" in row[0]}
+    assert predicted["broken (predicted)"][3] == "rank 0: error: broken on purpose"
+    assert "bubble" in predicted["pipeline (predicted)"][8] and predicted["ddp (predicted)"][8].startswith("comm ")
+    # The measured row says where it falls against its prediction.
+    assert re.fullmatch(r"within|[+-]\d+% (above|below)", table[4][9]), table[4]
+    rows = [row for row in table if "predicted" not in row[0]]
     for row in rows[:4]:
         strategy = "ddp" if row[0] == "single-GPU baseline" else row[0]
         r = records[strategy, int(row[1])]
@@ -189,7 +202,7 @@ def test_cpu_sweep_reports_what_the_runs_measured(tmp_path):
         overhead = f"comm {r['comm_pct']:.1f}" if strategy == "ddp" and r["world_size"] > 1 else (
             f"bubble {r['bubble_pct']:.1f}" if strategy == "pipeline" else "-")
         assert row[2:] == [str(r["global_batch_size"]), f"{r['samples_per_sec']:.2f}", f"{speedup:.2f}x",
-                           f"{100 * speedup / r['world_size']:.0f}%", "-", f"{r['peak_mem_gib']:.2f} ({r['mem_pct']:.0f}%)", overhead]
+                           f"{100 * speedup / r['world_size']:.0f}%", "-", f"{r['peak_mem_gib']:.2f} ({r['mem_pct']:.0f}%)", overhead, row[9]]
     # Weak scaling: the data-parallel row doubles the batch, the pipeline keeps it.
     assert records["ddp", 2]["global_batch_size"] == 16 and records["pipeline", 2]["global_batch_size"] == 8
     assert rows[4][3] == "failed: error: broken on purpose"
@@ -199,5 +212,5 @@ def test_cpu_sweep_reports_what_the_runs_measured(tmp_path):
         assert announced and int(announced[1]) == records["pipeline", n]["config"]["micro_batches"], proc.stdout
     # One thread per process in every row, the 1-process ones included.
     threads = [tuple(json.loads(line)) for line in open(tmp_path / "threads.jsonl")]
-    assert sorted(threads) == [("1", "1"), ("2", "1"), ("2", "1")], threads
+    assert sorted(threads) == [("1", "1"), ("1", "1"), ("2", "1"), ("2", "1")], threads
     assert not (tmp_path / "elsewhere").exists()

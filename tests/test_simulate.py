@@ -1,0 +1,106 @@
+"""--simulate N runs one rank of an N-rank job in one process on a fake process group:
+it must do exactly that rank's work (its shards, its stages, its messages), and
+run_all.sh's prediction must turn it into the textbook when the inputs are textbook."""
+
+import argparse
+
+import pytest
+
+import common
+import sweep_report
+from harness import checkpointed, comm, launch
+
+
+def simulate(script, n, rank=0, *args):
+    """A one-process run as rank `rank` of `n` (no torchrun: it is one process)."""
+    return launch(script, 1, "--simulate", n, "--simulate-rank", rank, *args)
+
+
+def test_a_simulated_rank_counts_the_bytes_a_real_one_sends():
+    real, sim = checkpointed("ddp_train.py", 2)[0], simulate("ddp_train.py", 2)
+    assert sim["simulated_rank"] == 0 and sim["world_size"] == 2
+    assert sim["comm_per_step"] == real["comm_per_step"]
+    real, sim = launch("fsdp_train.py", 4, "--no-reshard-after-forward", "--grad-accum", "2"), \
+        simulate("fsdp_train.py", 4, 0, "--no-reshard-after-forward", "--grad-accum", "2")
+    assert sim["comm_per_step"] == real["comm_per_step"]
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_a_simulated_fsdp_rank_holds_one_nth_of_the_training_state(n):
+    run = simulate("fsdp_train.py", n, n - 1, "--global-batch-size", 8)
+    fp32_params = 4 * run["params"]
+    assert run["param_shard_bytes"] == pytest.approx(fp32_params / n, rel=0.02)
+    assert run["grad_shard_bytes"] == pytest.approx(fp32_params / n, rel=0.02)
+    assert run["optim_shard_bytes"] == pytest.approx(2 * fp32_params / n, rel=0.02)  # Adam's two moments
+    assert comm(run, "reduce_scatter", list(range(n)))[1] == fp32_params  # what it contributes to, not what it keeps
+
+
+def test_a_simulated_pipeline_rank_runs_what_the_real_rank_runs():
+    real = launch("pipeline_train.py", 4, "--schedule", "1f1b", "--micro-batches", 8)
+    for rank in (0, 3):
+        sim = simulate("pipeline_train.py", 4, rank, "--schedule", "1f1b", "--micro-batches", 8)
+        # The order this rank ran is the one the replay uses for it, on both ends of the pipe.
+        assert sim["actions_last_step"] == sim["pipeline_order"][str(rank)]
+        if rank == 0:
+            assert sim["actions_last_step"] == real["actions_last_step"]
+            assert sim["comm_per_step"] == real["comm_per_step"]
+
+
+def equal_stages(orders, stages_per_rank):
+    """Replay with every stage equally fast (a forward 1, a backward 2, split over the
+    stages a rank holds; zero-bubble's halves 1 each) and free transfers: bubble share."""
+    times = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+    makespan, busy = sweep_report.replay(orders, lambda rank, kind, stage: times[kind] / stages_per_rank, lambda a, b: 0.0)
+    return 1 - sum(busy.values()) / len(busy) / makespan
+
+
+@pytest.mark.parametrize("schedule,p,m", [("gpipe", 4, 4), ("1f1b", 4, 8), ("1f1b", 2, 2), ("gpipe", 8, 16)])
+def test_the_replay_reproduces_the_textbook_bubble(schedule, p, m):
+    orders = common.pipeline_order(None, argparse.Namespace(schedule=schedule, micro_batches=m), p)
+    assert equal_stages(orders, 1) == pytest.approx(common.theoretical_bubble_pct(schedule, p, m, 1) / 100)
+
+
+def test_the_replay_of_torchs_interleaved_order_reproduces_the_interleaved_bubble():
+    run = simulate("pipeline_train.py", 2, 0, "--schedule", "interleaved-1f1b", "--micro-batches", 4)
+    orders = {int(rank): actions for rank, actions in run["pipeline_order"].items()}
+    assert equal_stages(orders, 2) == pytest.approx(common.theoretical_bubble_pct("interleaved-1f1b", 2, 4, 2) / 100)
+
+
+def test_the_replay_charges_each_transfer_and_waits_for_the_slowest_stage():
+    orders = common.pipeline_order(None, argparse.Namespace(schedule="gpipe", micro_batches=2), 2)
+    times = lambda r, kind, stage: {"F": 1.0, "B": 2.0}[kind] * (1 + stage)  # stage 1 twice as slow
+    # Each crossing 0.5: F0:0 | (0.5) F1:0 F1:1 B1:0 B1:1 | (0.5) B0:1, B0:0 having run while B1:1 did.
+    makespan, busy = sweep_report.replay(orders, times, lambda a, b: 0.5)
+    assert makespan == pytest.approx(1 + 0.5 + 2 * 2 + 2 * 4 + 0.5 + 2)
+    assert busy == {0: pytest.approx(6.0), 1: pytest.approx(12.0)}
+    # A transfer that also holds its sender: rank 1 sends after each backward, so B1:1 starts
+    # 0.5 later and B0:1 waits for its send too.
+    makespan, _ = sweep_report.replay(orders, times, lambda a, b: 0.5, blocking=True)
+    assert makespan == pytest.approx(1 + 0.5 + 2 * 2 + 4 + 0.5 + 4 + 0.5 + 2)
+
+
+def test_ring_factors_and_the_link_between_nodes():
+    bandwidth = (100, 10, 4)  # GB/s inside a node, across nodes; 4 GPUs a node
+    inside = {"kind": "all_reduce", "group": [0, 1, 2, 3], "group_size": 4, "bytes": 1e9}
+    across = {**inside, "group": [0, 4, 8, 12]}
+    assert sweep_report.comm_seconds(inside, bandwidth) == pytest.approx(2 * 3 / 4 * 1e9 / 100e9)
+    assert sweep_report.comm_seconds(across, bandwidth) == pytest.approx(2 * 3 / 4 * 1e9 / 10e9)
+    gather = {**inside, "kind": "all_gather"}
+    assert sweep_report.comm_seconds(gather, bandwidth) == pytest.approx(3 / 4 * 1e9 / 100e9)
+
+
+def test_the_prediction_hides_what_overlaps_and_exposes_what_cannot():
+    bandwidth = (100, 10, 8)
+    # 1 s of compute, and an all-reduce that takes 0.75 s on the wire at 100 GB/s over 4 ranks.
+    entry = {"kind": "all_reduce", "group": [0, 1, 2, 3], "group_size": 4, "bytes": 50e9, "calls": 10, "dtype": "float32"}
+
+    def run(strategy, **extra):
+        return {"strategy": strategy, "world_size": 4, "simulated_rank": 0, "model": "tiny", "config": {}, "step_seconds": 1.0,
+                "comm_per_step": [entry], **extra}
+
+    ddp = sweep_report.predict([run("ddp")], bandwidth)
+    assert (ddp["low"], ddp["high"]) == (pytest.approx(1.0), pytest.approx(1.75))  # DDP's buckets overlap backward, or not at all
+    tp = sweep_report.predict([run("tp", mesh={"dp": 1, "tp": 4})], bandwidth)
+    assert (tp["low"], tp["high"]) == (pytest.approx(1.75), pytest.approx(1.75))  # each block waits for its all-reduce
+    # Over two nodes of 2 GPUs the same all-reduce runs at the slower link.
+    assert sweep_report.predict([run("ddp")], (100, 10, 2))["high"] == pytest.approx(1 + 7.5)
