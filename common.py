@@ -1114,6 +1114,7 @@ class Checkpointer:
 
     def load(self):
         """Restore the newest checkpoint that loads; return the step to continue from (0 if none)."""
+        set_aside = []
         for path in self._on_rank0(self._complete) if self.dir else []:
             logging.disable(logging.WARNING)  # DCP logs each failed read with a traceback on the root logger
             try:
@@ -1127,6 +1128,7 @@ class Checkpointer:
             except (Exception, self.dcp.CheckpointException) as e:  # unreadable (DCP's error is a BaseException): set it aside, try the one before
                 aside = self._on_rank0(lambda: self._set_aside(path))
                 log(f"skipping {path}: it does not load ({_load_error(e)}); moved to {aside}, trying the one before")
+                set_aside.append(aside)
                 continue
             finally:
                 logging.disable(logging.NOTSET)
@@ -1141,6 +1143,9 @@ class Checkpointer:
             if step >= self.args.steps:
                 log(f"nothing left to train: --steps {self.args.steps}")
             return step
+        # DCP loads in place: a load that failed part-way may have changed the weights.
+        check(not set_aside, f"no checkpoint in {self.dir} loads ({', '.join(set_aside)} set aside), and the failed load may have "
+                             "changed this run's weights: launch again to train from step 0")
         return 0
 
     @staticmethod
