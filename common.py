@@ -873,7 +873,9 @@ class TrainLog:
             raise NonFiniteLoss(f"loss is {loss_value} at step {step + 1}; lower --lr, keep --grad-clip on, or use bf16 rather than fp16")
         self.losses.append(loss_value)
         self.grad_norms.append(grad_norm)
-        self.peak_mem = peak_memory(self.env.device)
+        if step + 1 != self.counted_step or len(self.losses) == 1:
+            # Not the counted step's: under the counter compiled blocks run eager, with eager's memory.
+            self.peak_mem = peak_memory(self.env.device)
         if (step + 1) % self.args.log_every == 0 or step + 1 == self.args.steps:
             dt = self.step_times[-1]
             samples = self.args.global_batch_size / dt

@@ -131,7 +131,7 @@ def main():
     held = torch.tensor([local_bytes(model.parameters()), grad_bytes, local_bytes(optim_state)], dtype=torch.float64, device=env.device)
     dist.all_reduce(held, op=dist.ReduceOp.MAX)
     param_bytes, grad_bytes, optim_bytes = (int(b) for b in held.tolist())
-    peak_per_rank = common.gather_floats(common.peak_memory(env.device)[0], env.device)
+    peak_per_rank = common.gather_floats(tlog.peak_mem[0], env.device)
     common.log(f"per rank: parameter shards {param_bytes / 2**20:.1f} MiB, gradient shards {grad_bytes / 2**20:.1f} MiB, "
                f"optimizer state {optim_bytes / 2**20:.1f} MiB, on {'cpu (offloaded)' if args.cpu_offload else env.device.type} "
                f"(unsharded fp32 parameters: {common.count_params(cfg) * 4 / 2**20:.1f} MiB); peak GiB per rank {peak_per_rank}")

@@ -12,7 +12,7 @@ import torch
 
 import common
 
-ARGS = argparse.Namespace(seed=0, activation_checkpointing=False, compile=False)
+ARGS = argparse.Namespace(seed=0, activation_checkpointing=False, compile=False, float8=None)
 
 
 def test_a_sample_depends_only_on_seed_and_index():
