@@ -35,11 +35,17 @@ def read_lines(path):
 def load(out_dir):
     """(records, failures, simulated ranks, their failures) of one sweep, failures under
     their records' strategy names."""
-    records = read_lines(os.path.join(out_dir, "results.jsonl"))
-    simulated = read_lines(os.path.join(out_dir, "simulated.jsonl"))
-    failures = [{**f, "strategy": STRATEGY_OF_SCRIPT.get(f["strategy"], f["strategy"])}
+    records = [named(r) for r in read_lines(os.path.join(out_dir, "results.jsonl"))]
+    simulated = [named(r) for r in read_lines(os.path.join(out_dir, "simulated.jsonl"))]
+    failures = [named({**f, "strategy": STRATEGY_OF_SCRIPT.get(f["strategy"], f["strategy"])})
                 for f in read_lines(os.path.join(out_dir, "failures.jsonl"))]
     return records, [f for f in failures if not f.get("simulated")], simulated, [f for f in failures if f.get("simulated")]
+
+
+def named(run):
+    """A float8 run (run_all.sh --float8) is a row of its own, named after its strategy."""
+    mode = run.get("config", run).get("float8")
+    return {**run, "strategy": f"{run['strategy']} float8 {mode}"} if mode else run
 
 
 def run_key(run):
@@ -134,6 +140,14 @@ def against_prediction(record, p):
     return f"{100 * (rate / fast - 1):+.0f}% above" if rate > fast else f"{100 * (rate / slow - 1):+.0f}% below"
 
 
+def order_key(key, predicted=False):
+    """The article's order of strategies, float8 rows right after their strategy's, then
+    GPUs and batch, a predicted row after the measured one of the same run."""
+    strategy, world_size, batch = key
+    base_name = strategy.split(" float8")[0]
+    return ORDER.index(base_name) if base_name in ORDER else len(ORDER), strategy, world_size, batch, predicted
+
+
 def table_rows(records, failures, simulated=(), sim_failures=(), bandwidth=None):
     """The table's rows (lists of cells, as HEADERS), in the article's order, each
     predicted row after the measured one of the same run where there is one."""
@@ -163,12 +177,7 @@ def table_rows(records, failures, simulated=(), sim_failures=(), bandwidth=None)
         else:
             rows.append(((*key, 1), [key[0] + PREDICTED, *predicted_cells(p, base)]))
 
-    def order(pair):
-        (strategy, world_size, batch, is_prediction), _ = pair
-        rank = ORDER.index(strategy) if strategy in ORDER else len(ORDER)
-        return rank, strategy, world_size, batch, is_prediction
-
-    return [[str(cell) for cell in row] for _, row in sorted(rows, key=order)]
+    return [[str(cell) for cell in row] for _, row in sorted(rows, key=lambda pair: order_key(pair[0][:3], pair[0][3]))]
 
 
 # ----------------------------------------------------------------------------
@@ -390,11 +399,6 @@ def step_split(run):
     return {**parts, "rest": max(0.0, step - sum(v for v in parts.values() if v is not None))}
 
 
-def order_key(key, predicted=False):
-    strategy, world_size, batch = key
-    return ORDER.index(strategy) if strategy in ORDER else len(ORDER), strategy, world_size, batch, predicted
-
-
 def name_of(key, predicted=False):
     return f"{key[0]} x{key[1]}" + (PREDICTED if predicted else "")
 
@@ -587,7 +591,7 @@ def draw_loss(plt, data, meta, path):
     ax_diff.set_yscale("log")
     ax_diff.set_xlabel("optimizer step")
     ax_diff.set_ylabel("|loss - baseline's loss| (nats, 1e-9 = equal)")
-    ax_diff.set_title("same global batch as the baseline: the same run, so any drift is a bug", fontsize=8)
+    ax_diff.set_title("same global batch as the baseline: the same run, so any drift is a bug (float8 rows: its rounding)", fontsize=8)
     if diffs:
         ax_diff.legend(fontsize=7)
     _save(plt, fig, "Loss of every run over the baseline's", meta, data["missing"], path)
