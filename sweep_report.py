@@ -789,8 +789,6 @@ def main():
     print()
     print(tabulate(rows, headers=HEADERS, disable_numparse=True))
     table = tabulate(rows, headers=HEADERS, tablefmt="github", disable_numparse=True)
-    with open(os.path.join(out_dir, "table.md"), "w") as f:
-        f.write(table + "\n")
     notes = []
     if sample:
         r = sample
@@ -804,15 +802,20 @@ def main():
                  "hybrid 6.92x on 8; partly impossible (README, 'What the article claims'): contrast, do not fit.")
     print(*[f"\n{notes[0]}", *notes[1:]] if sample else notes, sep="\n")
     into = args.into or out_dir
-    if args.into:  # a report folder of its own (docs/): the lines it is built from go with it, so it rebuilds there
+    # A report folder of its own (docs/): the lines it is built from go with it, so that
+    # it rebuilds there; the sweep's folder may be read-only.
+    if args.into and os.path.realpath(into) != os.path.realpath(out_dir):
         os.makedirs(into, exist_ok=True)
-        for name in ("results.jsonl", "simulated.jsonl", "failures.jsonl", "table.md"):
+        for name in ("results.jsonl", "simulated.jsonl", "failures.jsonl"):
             if os.path.exists(os.path.join(out_dir, name)):
-                shutil.copy(os.path.join(out_dir, name), into)
+                shutil.copyfile(os.path.join(out_dir, name), os.path.join(into, name))
+    with open(os.path.join(into, "table.md"), "w") as f:
+        f.write(table + "\n")
     pictures = write_report(into, records, failures, simulated, sim_failures, bandwidth, table, notes, link=not args.into)
-    print(f"Table: {out_dir}/table.md; results lines: {out_dir}/results.jsonl; logs: {out_dir}/logs/")
+    print(f"Table: {into}/table.md; results lines: {out_dir}/results.jsonl; logs: {out_dir}/logs/")
     print(f"Report: {into}/REPORT.md" + (f" and {len(pictures)} pictures" if pictures else
                                           " (no pictures: pip install matplotlib, then python3 sweep_report.py " + out_dir + ")"))
+
 
 if __name__ == "__main__":
     main()

@@ -37,6 +37,7 @@ EFFECTS = {
     "--dtype": ["test_common.py::test_dtype_sets_the_matmul_precision_under_autocast", "test_fsdp.py::test_bf16_gathers_weights_in_bf16_and_reduces_gradients_in_fp32"],
     "--activation-checkpointing": ["test_common.py::test_activation_checkpointing_keeps_only_each_blocks_input", "test_tensor_parallel.py::test_tensor_parallel_matches_single_process"],
     "--compile": ["test_common.py::test_compile_compiles_every_block_in_place"],
+    "--float8": ["test_float8.py::test_every_block_linear_is_converted_and_the_head_is_not", "test_float8.py::test_tensor_parallel_gathers_activations_in_float8"],
     "--device": ["test_common.py::test_device_cuda_without_a_gpu_is_refused_before_any_process_group"],
     "--timeout": ["test_errors.py::test_every_rank_stalled_ends_the_job_within_the_timeout_in_one_line", "test_errors.py::test_a_silent_peer_fails_the_job_within_the_timeout"],
     "--log-every": ["test_options.py::test_profile_and_tensorboard_write_their_files"],
