@@ -458,6 +458,7 @@ def base_parser(doc):
     g.add_argument("--log-every", type=positive, default=1, help="print a step line every N steps (default: 1)")
     g.add_argument("--timing-warmup-steps", type=non_negative, default=3, help="first steps left out of throughput figures (default: 3)")
     g.add_argument("--profile", metavar="DIR", help="trace a few steps with torch.profiler into DIR and print the op table")
+    g.add_argument("--tensorboard", metavar="DIR", help="log loss, lr, step time, tokens/s, MFU and memory every step into DIR for TensorBoard (rank 0)")
     g.add_argument("--results", metavar="FILE", help="append one JSON line with this run's figures to FILE")
     g.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here (always after the last step), and resume from the newest one that loads")
     g.add_argument("--checkpoint-every", type=non_negative, default=0, help="with --checkpoint-dir, also save every N steps (default: 0: only after the last step and on SIGTERM)")
@@ -489,7 +490,9 @@ def parse_args(parser):
           "--float8 needs torchao: pip install torchao (tested with 0.18.0)")
     if args.data:
         check_token_file(args.data, cfg.vocab_size, args.seq_len)
-    for option, folder in (("--checkpoint-dir", args.checkpoint_dir), ("--profile", args.profile)):
+    if args.tensorboard:
+        check(importlib.util.find_spec("tensorboard") is not None, "--tensorboard needs the tensorboard package: pip install tensorboard")
+    for option, folder in (("--checkpoint-dir", args.checkpoint_dir), ("--profile", args.profile), ("--tensorboard", args.tensorboard)):
         if folder:
             _check_folder(option, folder)
     if args.results and IS_MAIN:  # only rank 0 writes it
@@ -818,12 +821,64 @@ def gather_floats(value, device):
     return [round(t.item(), 2) for t in everyone]
 
 
+def clock_mark(cuda):
+    """Now: a CUDA event on a GPU, where the host only queues the work, else the host clock."""
+    if cuda:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def seconds_between(start, end):
+    """Seconds from one clock_mark to a later one (CUDA events must have completed)."""
+    return start.elapsed_time(end) / 1000 if isinstance(start, torch.cuda.Event) else end - start
+
+
+class StepClock:
+    """Where a step's time goes on this rank: its waits for data (host time in next() of
+    the batches), its start to the optimizer step's (forward, backward, clipping and what
+    they wait on), and the optimizer step. sweep_report.py makes the report's parts of them."""
+
+    def __init__(self, device, optimizer):
+        self.cuda, self.per_step = device.type == "cuda", []
+        for hook in (optimizer.register_step_pre_hook, optimizer.register_step_post_hook):
+            hook(lambda *_: self.marks.append(clock_mark(self.cuda)))
+
+    def begin(self):
+        self.data, self.marks = 0.0, [clock_mark(self.cuda)]
+
+    def timed_batches(self, batches):
+        while True:
+            start = time.perf_counter()
+            batch = next(batches)
+            self.data += time.perf_counter() - start
+            yield batch
+
+    def end(self):
+        """Once the step's device work has finished: appends (data, to optimizer, optimizer) seconds."""
+        if len(self.marks) == 1:  # the fp16 loss scaler skipped the optimizer step
+            self.marks += [clock_mark(self.cuda)] * 2
+            if self.cuda:
+                self.marks[-1].synchronize()
+        start, optimizer_start, optimizer_end = self.marks
+        self.per_step.append((self.data, seconds_between(start, optimizer_start), seconds_between(optimizer_start, optimizer_end)))
+
+
 class TrainLog:
     """Per-step bookkeeping, the same on every rank: agree on the global loss and on
-    whether to stop, time the step, print the step line, write the results record."""
+    whether to stop, time the step and its parts, print the step line (and with
+    --tensorboard log it), write the results record. Scripts pass their optimizer (its
+    step is timed) and read their batches through timed_batches()."""
 
-    def __init__(self, args, env, cfg, strategy, ckpt):
+    def __init__(self, args, env, cfg, strategy, ckpt, optimizer):
         self.args, self.env, self.cfg, self.strategy, self.ckpt = args, env, cfg, strategy, ckpt
+        self.clock = StepClock(env.device, optimizer)
+        self.tensorboard = None
+        if args.tensorboard and IS_MAIN:  # imported only when asked for: it takes a second
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(args.tensorboard)
         self.start_step = ckpt.start_step
         self.losses, self.grad_norms, self.step_times = [], [], []
         self.flops_per_step = flops_per_token(cfg, args.seq_len) * args.global_batch_size * args.seq_len
@@ -851,7 +906,12 @@ class TrainLog:
                 self.counted_step = step + 1
             # Until end_step, so that its own bookkeeping all-reduce is not counted.
             self.comm.start(count=last, fill_receives=bool(self.args.simulate) and step == self.start_step)
+            self.clock.begin()
             yield step
+
+    def timed_batches(self, batches):
+        """The batches (None stays None), each wait for one counted as the step's data wait."""
+        return None if batches is None else self.clock.timed_batches(batches)
 
     def end_step(self, step, loss, grad_norm, lr):
         """`loss` is this rank's share of the global-batch mean loss (the shares of all ranks
@@ -863,8 +923,9 @@ class TrainLog:
         # One all-reduce agrees on the loss and on the stop request.
         packed = torch.stack([loss.detach().float().reshape(()), torch.tensor(float(self.stop_requested), device=loss.device)])
         dist.all_reduce(packed)
-        loss_value, stop = packed.tolist()
+        loss_value, stop = packed.tolist()  # waits for the step's device work
         grad_norm = float(grad_norm)
+        self.clock.end()
         now = time.perf_counter()
         # A checkpoint saved after the previous step is not part of this one.
         self.step_times.append(now - self.last - (self.ckpt.save_seconds - self.saved_before))
@@ -876,11 +937,16 @@ class TrainLog:
         if step + 1 != self.counted_step or len(self.losses) == 1:
             # Not the counted step's: under the counter compiled blocks run eager, with eager's memory.
             self.peak_mem = peak_memory(self.env.device)
+        dt = self.step_times[-1]
+        samples = self.args.global_batch_size / dt
+        mfu = self._mfu(dt)
+        mem_gib, mem_pct = self.peak_mem
+        if self.tensorboard is not None:  # every step, whatever --log-every says; MFU only where a peak is known
+            for tag, value in (("loss", loss_value), ("grad_norm", grad_norm), ("lr", lr), ("step_seconds", dt),
+                               ("tokens_per_sec", samples * self.args.seq_len), ("mfu_pct", mfu), ("peak_mem_gib", mem_gib)):
+                if value is not None:
+                    self.tensorboard.add_scalar(tag, value, step + 1)
         if (step + 1) % self.args.log_every == 0 or step + 1 == self.args.steps:
-            dt = self.step_times[-1]
-            samples = self.args.global_batch_size / dt
-            mfu = self._mfu(dt)
-            mem_gib, mem_pct = self.peak_mem
             log(f"step {step + 1:>5}/{self.args.steps} | loss {loss_value:.4f} | grad norm {grad_norm:.3f} | lr {lr:.2e} | "
                 f"{dt * 1000:7.1f} ms | {samples:7.2f} samples/s | {samples * self.args.seq_len:9.0f} tok/s | "
                 f"MFU {'n/a' if mfu is None else f'{mfu:.1f}%'} | mem {mem_gib:.2f} GiB ({mem_pct:.0f}%)")
@@ -894,8 +960,9 @@ class TrainLog:
 
     def timed(self, per_step):
         """The entries of a per-step list that throughput figures use: not the first
-        --timing-warmup-steps, nor the counted last step, unless nothing else is left."""
-        start = max(0, min(self.args.timing_warmup_steps, len(per_step) - 1))
+        --timing-warmup-steps, nor --profile's (its warm-up, 3 traced, and the one its trace's
+        export lands in), nor the counted last step, unless nothing else is left."""
+        start = max(0, min(self.args.timing_warmup_steps + (5 if self.args.profile else 0), len(per_step) - 1))
         counted = self.counted_step is not None and len(per_step) - start > 1 and self.start_step + len(per_step) == self.counted_step
         return per_step[start:len(per_step) - 1 if counted else len(per_step)]
 
@@ -905,13 +972,29 @@ class TrainLog:
         seconds = sum(timed) / len(timed) if timed else float("nan")
         return self.args.global_batch_size / seconds, seconds
 
+    def step_parts(self):
+        """StepClock's parts of the mean timed step, averaged over the ranks (a collective,
+        except for a simulated rank: its peers exist nowhere)."""
+        steps = self.timed(self.clock.per_step)
+        mean = torch.tensor([sum(part) / len(steps) for part in zip(*steps)], dtype=torch.float64, device=self.env.device)
+        if not self.args.simulate:
+            dist.all_reduce(mean)
+            mean /= self.env.world_size
+        return dict(zip(("data", "to_optimizer", "optimizer"), mean.tolist()))
+
     def finish(self, **extra):
         """Summary line and, with --results, one JSON line from rank 0. Every rank must call
-        it: peak memory (training's, up to the last step) is the largest over ranks."""
+        it: peak memory (training's, up to the last step) is the largest over ranks, and
+        each rank's is listed."""
         self.watchdog.stop()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         mem = torch.tensor(self.peak_mem, device=self.env.device)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         mem_gib, mem_pct = mem.tolist()
+        # A simulated rank is the only one there is: its peers' memory exists nowhere.
+        per_rank = None if self.args.simulate else gather_floats(self.peak_mem[0], self.env.device)
+        parts = self.step_parts()
         samples_per_sec, seconds = self.throughput()
         mfu = self._mfu(seconds)
         record = {
@@ -932,11 +1015,14 @@ class TrainLog:
             "mfu": mfu,
             "peak_mem_gib": mem_gib,
             "mem_pct": mem_pct,
+            "peak_mem_gib_per_rank": per_rank,
             "comm_pct": None,
             "comm_per_step": None if self.counted_step is None else self.comm.record(),  # the last step's, see steps()
             "simulated_rank": self.env.rank if self.args.simulate else None,  # world_size is then the simulated world's
             "step_seconds": seconds,
+            "step_parts_seconds": parts,  # see StepClock
             "torch_version": torch.__version__,
+            "finished_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             **extra,
             "config": vars(self.args),
         }
@@ -1065,7 +1151,10 @@ class CommCounter:
 
 class Profiler:
     """--profile DIR: a torch.profiler trace of 3 steps after the timing warm-up, one
-    Chrome trace per rank, and on rank 0 the op table the article reads its figures from."""
+    Chrome trace per rank (trace_rank<R>.json: Perfetto and chrome://tracing open it), and
+    the op table the article reads its figures from, heaviest first by time on the device
+    (CUDA), by self CPU time on a CPU: printed on rank 0, written by every rank beside
+    its trace (ops_rank<R>.txt)."""
 
     def __init__(self, args, env):
         self.prof = None
@@ -1075,11 +1164,14 @@ class Profiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if env.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        sort_by = "self_cuda_time_total" if env.device.type == "cuda" else "self_cpu_time_total"
+        sort_by = "self_device_time_total" if env.device.type == "cuda" else "self_cpu_time_total"
 
         def done(prof):
             prof.export_chrome_trace(os.path.join(args.profile, f"trace_rank{env.rank}.json"))
-            log(prof.key_averages().table(sort_by=sort_by, row_limit=25))
+            table = prof.key_averages().table(sort_by=sort_by, row_limit=25)
+            with open(os.path.join(args.profile, f"ops_rank{env.rank}.txt"), "w") as f:
+                f.write(table + "\n")
+            log(table)
 
         schedule = torch.profiler.schedule(wait=args.timing_warmup_steps, warmup=1, active=3, repeat=1)
         self.prof = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=done)
@@ -1466,33 +1558,26 @@ class ComputeTimer:
         for stage in stages:
             for name, letter in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
                 setattr(stage, name, self.timed(getattr(stage, name), letter, stage.stage_index))
-        optimizer.register_step_pre_hook(lambda *_: self.spans.append((self._mark(), None, "optimizer")))
-        optimizer.register_step_post_hook(lambda *_: self.spans.append((self.spans.pop()[0], self._mark(), "optimizer")))
+        optimizer.register_step_pre_hook(lambda *_: self.spans.append((clock_mark(self.cuda), None, "optimizer")))
+        optimizer.register_step_post_hook(lambda *_: self.spans.append((self.spans.pop()[0], clock_mark(self.cuda), "optimizer")))
 
     def timed(self, fn, letter, stage_index=None):
         def wrapper(*args, **kwargs):
             kind = "I" if letter == "B" and not kwargs.get("full_backward", True) else letter
             if stage_index is not None:  # args[0] is the micro-batch
                 self.actions.append(f"{kind}{stage_index}:{args[0]}")
-            start = self._mark()
+            start = clock_mark(self.cuda)
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.spans.append((start, self._mark(), kind))
+                self.spans.append((start, clock_mark(self.cuda), kind))
         return wrapper
-
-    def _mark(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
 
     def end_step(self, step_seconds):
         """Call after each step, once its device work has finished (TrainLog.end_step)."""
         by_kind = {}
         for start, end, kind in self.spans:
-            seconds = start.elapsed_time(end) / 1000 if self.cuda else end - start
+            seconds = seconds_between(start, end)
             total, count = by_kind.get(kind, (0.0, 0))
             by_kind[kind] = (total + seconds, count + 1)
         self.spans, self.last_actions, self.actions = [], self.actions, []

@@ -83,9 +83,9 @@ def measure_communication(model, batches, args, env, scaler, n=3):
     """Exposed communication, measured in this run instead of read off a profiler by hand:
     n forward+backward passes with DDP's all-reduce against n under no_sync() (compute
     only), both one synchronised micro-step's worth. The difference is the communication
-    that backward did not hide. Beside it, the bus bandwidth of a separately timed
-    all-reduce of fp32 gradients (at most 1 GiB of them: a large model's whole gradient
-    again could run out of memory after training)."""
+    that backward did not hide, as a share and in seconds. Beside it, the bus bandwidth
+    of a separately timed all-reduce of fp32 gradients (at most 1 GiB of them: a large
+    model's whole gradient again could run out of memory after training)."""
 
     def timed(fn):
         common.synchronize(env.device)
@@ -105,7 +105,7 @@ def measure_communication(model, batches, args, env, scaler, n=3):
     grads = torch.empty(min(2**28, sum(p.numel() for p in model.parameters())), device=env.device)
     dist.all_reduce(grads)  # warm-up
     seconds = timed(lambda: dist.all_reduce(grads))
-    return exposed_comm_pct(synced, compute), allreduce_busbw_gbps(grads.numel() * 4, env.world_size, seconds)
+    return exposed_comm_pct(synced, compute), allreduce_busbw_gbps(grads.numel() * 4, env.world_size, seconds), max(0.0, synced - compute)
 
 
 def exposed_comm_pct(synced_seconds, compute_seconds):
@@ -147,7 +147,8 @@ def main():
 
     micro_batch = args.global_batch_size // (env.world_size * args.grad_accum)
     batches = common.make_batches(args, cfg, env.device, micro_batch, env.rank, env.world_size, start_step)
-    tlog = common.TrainLog(args, env, cfg, "ddp", ckpt)
+    tlog = common.TrainLog(args, env, cfg, "ddp", ckpt, optimizer)
+    batches = tlog.timed_batches(batches)
     stop = False
     with common.Profiler(args, env) as prof:
         for step in tlog.steps():
@@ -172,11 +173,12 @@ def main():
 
     extra = {}
     if env.world_size > 1 and not stop and not args.simulate:  # after a SIGTERM, the time left is the scheduler's
-        comm_pct, bus_gbps = measure_communication(model, batches, args, env, scaler)
+        comm_pct, bus_gbps, comm_seconds = measure_communication(model, batches, args, env, scaler)
         nominal = nvlink_gbps(env.device)
         common.log(f"exposed communication {comm_pct:.1f}% of a step; all-reduce bus bandwidth {bus_gbps:.1f} GB/s "
                    f"(nominal NVLink per direction: {'unknown' if nominal is None else f'{nominal} GB/s'})")
-        extra = {"comm_pct": comm_pct, "allreduce_busbw_gbps": bus_gbps, "nvlink_nominal_gbps": nominal}
+        # Only a step's last micro-step all-reduces: its exposed seconds are the step's.
+        extra = {"comm_pct": comm_pct, "allreduce_busbw_gbps": bus_gbps, "nvlink_nominal_gbps": nominal, "comm_seconds": comm_seconds}
     tlog.finish(**extra)
 
 

@@ -100,7 +100,8 @@ def main():
 
     micro_batch = args.global_batch_size // (env.world_size * args.grad_accum)
     batches = common.make_batches(args, cfg, env.device, micro_batch, env.rank, env.world_size, start_step)
-    tlog = common.TrainLog(args, env, cfg, "fsdp", ckpt)
+    tlog = common.TrainLog(args, env, cfg, "fsdp", ckpt, optimizer)
+    batches = tlog.timed_batches(batches)
     grad_bytes = 0
     with common.Profiler(args, env) as prof:
         for step in tlog.steps():
@@ -139,7 +140,7 @@ def main():
     # machine that is the only place the difference shows.
     offloaded = sum(p.offload_to_cpu for block in model.blocks.values() for p in block._get_fsdp_state()._fsdp_param_group.fsdp_params)
     tlog.finish(param_shard_bytes=param_bytes, grad_shard_bytes=grad_bytes, optim_shard_bytes=optim_bytes,
-                peak_mem_gib_per_rank=peak_per_rank, reshard_after_forward=args.reshard_after_forward, cpu_offload=args.cpu_offload,
+                reshard_after_forward=args.reshard_after_forward, cpu_offload=args.cpu_offload,
                 params_offloaded_to_cpu=offloaded)
 
 

@@ -109,7 +109,8 @@ def main():
         return
     batches = common.make_batches(args, cfg, env.device, batch_per_call, dp_rank, dp, start_step) if has_first or has_last else None
     timer = common.ComputeTimer(env.device, optimizer, stages)
-    tlog = common.TrainLog(args, env, cfg, "hybrid", ckpt)
+    tlog = common.TrainLog(args, env, cfg, "hybrid", ckpt, optimizer)
+    batches = tlog.timed_batches(batches)
     with common.Profiler(args, env) as prof:
         for step in tlog.steps():
             lr = common.set_lr(optimizer, step, args)

@@ -74,7 +74,8 @@ def main():
     activation_shape = (micro_batch, args.seq_len, cfg.d_model)
     timer = common.ComputeTimer(env.device, optimizer)
     forward, backward = timer.timed(model, "F"), timer.timed(torch.autograd.backward, "B")
-    tlog = common.TrainLog(args, env, cfg, "model_parallel", ckpt)
+    tlog = common.TrainLog(args, env, cfg, "model_parallel", ckpt, optimizer)
+    batches = tlog.timed_batches(batches)
     common.log(f"blocks per rank: {[len(r) for r in split]}")
     with common.Profiler(args, env) as prof:
         for step in tlog.steps():

@@ -58,7 +58,8 @@ def main():
     # Only the first stage needs inputs and only the last needs targets.
     batches = common.make_batches(args, cfg, env.device, batch_per_call, start_step=start_step) if has_first or has_last else None
     timer = common.ComputeTimer(env.device, optimizer, stages)
-    tlog = common.TrainLog(args, env, cfg, "pipeline", ckpt)
+    tlog = common.TrainLog(args, env, cfg, "pipeline", ckpt, optimizer)
+    batches = tlog.timed_batches(batches)
     with common.Profiler(args, env) as prof:
         for step in tlog.steps():
             lr = common.set_lr(optimizer, step, args)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Sweep every strategy over the GPU counts this machine can serve and print how each
-# scales against the 1-GPU baseline (ddp_train.py at world size 1).
+# Sweep every strategy over the GPU counts this machine can serve, print how each
+# scales against the 1-GPU baseline (ddp_train.py at world size 1), and write the report
+# (REPORT.md and its pictures, sweep_report.py) into the sweep's folder.
 #
 #   bash run_all.sh                      # every strategy on 1, 2, 4, ... GPUs
 #   bash run_all.sh --strategies ddp,pipeline --gpus 1,4 --model 350m
@@ -20,6 +21,8 @@
 #   --intra-gbps X         with --simulate: bus bandwidth per GPU inside a node (default: sweep_report.LINK_GBPS)
 #   --inter-gbps Y         with --simulate: bus bandwidth per GPU across nodes (default: sweep_report.LINK_GBPS)
 #   --gpus-per-node K      with --simulate: GPUs a node holds (default: 8)
+#   --profile              trace 3 steps of every measured run with torch.profiler (left out of its timing), into OUT/profiles/<run>/
+#                          (one Chrome trace and op table per rank; REPORT.md links them); needs --steps of at least 10
 #   --compile              torch.compile every run's blocks
 #   --float8 MODE          also run every measured row with --float8 MODE (tensorwise or rowwise), as a row of
 #                          its own; on a GPU these rows are compiled (eager float8 is slower than bf16)
@@ -45,7 +48,7 @@ one_of() {
 positive='^[1-9][0-9]*$'
 
 # Lower-case names throughout: every setting starts here or from a flag, never from the environment.
-model='' steps='' strategies='' gpus='' global_batch=8 out='' scaling=weak cpu=0 simulate='' link_args=() compile_args=() float8=''
+model='' steps='' strategies='' gpus='' global_batch=8 out='' scaling=weak cpu=0 simulate='' link_args=() compile_args=() float8='' profile=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --model|--steps|--strategies|--gpus|--global-batch-size|--out|--simulate|--intra-gbps|--inter-gbps|--gpus-per-node|--float8)
@@ -60,6 +63,7 @@ while [ $# -gt 0 ]; do
         --out) out=$2; shift 2 ;;
         --strong) scaling=strong; shift ;;
         --cpu) cpu=1; shift ;;
+        --profile) profile=1; shift ;;
         --compile) compile_args=(--compile); shift ;;
         --float8) one_of "$2" tensorwise rowwise || refuse "--float8 $2: expected tensorwise or rowwise"; float8=$2; shift 2 ;;
         --simulate) simulate=$2; shift 2 ;;
@@ -73,6 +77,9 @@ while [ $# -gt 0 ]; do
 done
 
 [ -z "$steps" ] || [[ $steps =~ $positive ]] || refuse "--steps $steps: expected a positive whole number"
+# Timing skips 3 warm-up steps, the profiler's 5 (warm-up, 3 traced, its export) and the
+# counted last: 10 steps leave one timed (both defaults, 10 and 20, pass).
+[ "$profile" = 0 ] || [ -z "$steps" ] || [ "$steps" -ge 10 ] || refuse "--profile --steps $steps: the profiled steps are not timed, so --profile needs --steps of at least 10"
 [[ $global_batch =~ $positive ]] || refuse "--global-batch-size $global_batch: expected a positive whole number"
 [ -z "$gpus" ] || [[ $gpus =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || refuse "--gpus $gpus: expected positive counts separated by commas, e.g. 1,2,4"
 [ -z "$simulate" ] || [ "$simulate" = none ] || [[ $simulate =~ ^([2-9]|[1-9][0-9]+)(,([2-9]|[1-9][0-9]+))*$ ]] \
@@ -212,12 +219,14 @@ for strategy in "${strategy_list[@]}"; do
         i=$((i + 1))
         args=$(plan "$strategy" "$n") batch=$(batch_for "$strategy" "$n")
         case $args in skip:*) echo "[$i/$total] $strategy x$n ... skipped (${args#skip: })"; continue ;; esac
+        profile_args=()
+        [ "$profile" = 0 ] || profile_args=(--profile "$out/profiles/${strategy}_x$n")
         # The strategy's own flags are shown, so what a row ran can be checked against its record.
         # shellcheck disable=SC2086  # $args holds several flags
         run_one "[$i/$total] $strategy x$n${args:+ $args}" "$out/logs/${strategy}_x$n.log" \
             "{\"strategy\": \"$strategy\", \"world_size\": $n, \"global_batch_size\": $batch}" \
             torchrun --standalone --nproc_per_node="$n" "${strategy}_train.py" --model "$model" --steps "$steps" \
-            --global-batch-size "$batch" "${device_args[@]}" "${compile_args[@]}" --results "$results" $args
+            --global-batch-size "$batch" "${device_args[@]}" "${compile_args[@]}" --results "$results" "${profile_args[@]}" $args
         [ -n "$float8" ] || continue
         # shellcheck disable=SC2086
         run_one "[$i/$total] $strategy x$n --float8 $float8${float8_args[*]:+ ${float8_args[*]}}${args:+ $args}" \
@@ -242,4 +251,5 @@ for strategy in "${strategy_list[@]}"; do
     done
 done
 
+# The table, and REPORT.md with its pictures.
 python3 sweep_report.py "$out" "${link_args[@]}"

@@ -126,7 +126,8 @@ def main():
     dp_rank = mesh["dp"].get_local_rank()
     micro_batch = args.global_batch_size // (args.dp * args.grad_accum)
     batches = common.make_batches(args, cfg, env.device, micro_batch, dp_rank, args.dp, start_step)
-    tlog = common.TrainLog(args, env, cfg, "tp", ckpt)
+    tlog = common.TrainLog(args, env, cfg, "tp", ckpt, optimizer)
+    batches = tlog.timed_batches(batches)
     with common.Profiler(args, env) as prof:
         for step in tlog.steps():
             lr = common.set_lr(optimizer, step, args)

@@ -11,10 +11,10 @@ import common
 import ddp_train
 
 
-def train_log(world_size=1, peak=None, flops_per_step=0.0, timing_warmup_steps=0, start_step=0, steps=10, counted_step=None):
+def train_log(world_size=1, peak=None, flops_per_step=0.0, timing_warmup_steps=0, start_step=0, steps=10, counted_step=None, profile=None):
     """A TrainLog's state without a process group: its methods are plain functions of it."""
     return SimpleNamespace(env=SimpleNamespace(world_size=world_size), peak=peak, flops_per_step=flops_per_step,
-                           args=SimpleNamespace(timing_warmup_steps=timing_warmup_steps, steps=steps, global_batch_size=64),
+                           args=SimpleNamespace(timing_warmup_steps=timing_warmup_steps, steps=steps, global_batch_size=64, profile=profile),
                            start_step=start_step, counted_step=counted_step)
 
 
@@ -35,6 +35,8 @@ def test_throughput_leaves_out_warmup_and_the_counted_step():
     assert seconds == pytest.approx(1.0) and samples_per_sec == pytest.approx(64.0)
     # A resumed run that stopped early (SIGTERM) counted nothing: every step after warm-up counts.
     assert common.TrainLog.timed(train_log(timing_warmup_steps=1, start_step=2, steps=10), times) == times[1:]
+    # --profile's warm-up, 3 traced steps and the one its trace's export lands in are not the run's speed.
+    assert common.TrainLog.timed(train_log(timing_warmup_steps=1, steps=8, counted_step=8, profile="dir"), list(range(8))) == [6]
     # Never nothing: one step is still a measurement.
     assert common.TrainLog.timed(train_log(timing_warmup_steps=3, steps=1, counted_step=1), [2.0]) == [2.0]
 

@@ -37,11 +37,13 @@ EFFECTS = {
     "--dtype": ["test_common.py::test_dtype_sets_the_matmul_precision_under_autocast", "test_fsdp.py::test_bf16_gathers_weights_in_bf16_and_reduces_gradients_in_fp32"],
     "--activation-checkpointing": ["test_common.py::test_activation_checkpointing_keeps_only_each_blocks_input", "test_tensor_parallel.py::test_tensor_parallel_matches_single_process"],
     "--compile": ["test_common.py::test_compile_compiles_every_block_in_place"],
+    "--float8": ["test_float8.py::test_every_block_linear_is_converted_and_the_head_is_not", "test_float8.py::test_tensor_parallel_gathers_activations_in_float8"],
     "--device": ["test_common.py::test_device_cuda_without_a_gpu_is_refused_before_any_process_group"],
     "--timeout": ["test_errors.py::test_every_rank_stalled_ends_the_job_within_the_timeout_in_one_line", "test_errors.py::test_a_silent_peer_fails_the_job_within_the_timeout"],
-    "--log-every": ["test_options.py::test_profile_writes_a_trace_and_the_op_table"],
+    "--log-every": ["test_options.py::test_profile_and_tensorboard_write_their_files"],
     "--timing-warmup-steps": ["test_metrics.py::test_throughput_leaves_out_warmup_and_the_counted_step"],
-    "--profile": ["test_options.py::test_profile_writes_a_trace_and_the_op_table"],
+    "--profile": ["test_options.py::test_profile_and_tensorboard_write_their_files", "test_metrics.py::test_throughput_leaves_out_warmup_and_the_counted_step"],
+    "--tensorboard": ["test_options.py::test_profile_and_tensorboard_write_their_files"],
     "--results": ["test_ddp.py::test_results_line_has_every_field"],
     "--checkpoint-dir": ["test_checkpoint.py::test_resume_continues_the_same_run"],
     "--simulate": ["test_simulate.py::test_a_simulated_rank_counts_the_bytes_a_real_one_sends",
@@ -121,10 +123,25 @@ def test_model_options_shape_the_model(monkeypatch):
         assert (cfg.vocab_size, args.seq_len, args.lr) == (vocab, seq_len, common.PRESETS[model].lr)
 
 
-def test_profile_writes_a_trace_and_the_op_table(tmp_path):
-    proc, (record,) = run_script("ddp_train.py", 1, ["--steps", "6", "--profile", tmp_path, "--log-every", "4"], torchrun=False)
-    trace = json.loads((tmp_path / "trace_rank0.json").read_text())
+def test_profile_and_tensorboard_write_their_files(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    proc, (record,) = run_script("ddp_train.py", 1, ["--steps", "7", "--profile", tmp_path / "prof", "--log-every", "4",
+                                                     "--tensorboard", tmp_path / "tb"], torchrun=False)
+    trace = json.loads((tmp_path / "prof" / "trace_rank0.json").read_text())
     assert any(event.get("name") == "aten::mm" for event in trace["traceEvents"]), "no matmuls in the trace"
-    assert "Self CPU" in proc.stdout, "no op table"
+    table = (tmp_path / "prof" / "ops_rank0.txt").read_text()
+    assert "Self CPU" in table and table.strip() in proc.stdout, "no op table, or not the one printed"
+    # TensorBoard: every step's scalars, whatever --log-every says; no MFU without a known peak (CPU).
+    events = EventAccumulator(str(tmp_path / "tb")).Reload()
+    assert set(events.Tags()["scalars"]) == {"loss", "grad_norm", "lr", "step_seconds", "tokens_per_sec", "peak_mem_gib"}
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert [step for step, _ in scalars["loss"]] == list(range(1, 8)) and all(len(v) == 7 for v in scalars.values())
+    assert [v for _, v in scalars["loss"]] == pytest.approx(record["losses"], rel=1e-6)
+    assert [v for _, v in scalars["grad_norm"]] == pytest.approx(record["grad_norms"], rel=1e-6)
+    # The steps the profiler slowed (its warm-up and 3 traced, then its trace's export in step 6) are not timed: step 7 is.
+    assert record["step_seconds"] == pytest.approx(scalars["step_seconds"][-1][1], rel=1e-6)
+    assert [v for _, v in scalars["tokens_per_sec"]] == pytest.approx([record["tokens_per_sec"] * record["step_seconds"] / s
+                                                                       for _, s in scalars["step_seconds"]], rel=1e-5)
     # --log-every 4: the step line of step 4 and of the last step, no other.
-    assert [line.split("|")[0].split()[1] for line in proc.stdout.splitlines() if line.startswith("step ")] == ["4/6", "6/6"]
+    assert [line.split("|")[0].split()[1] for line in proc.stdout.splitlines() if line.startswith("step ")] == ["4/7", "7/7"]

@@ -73,6 +73,20 @@ def test_rows_come_in_the_articles_order_whatever_the_input_order(tmp_path):
                      ("fsdp", 2), ("tp", 1), ("tp", 2), ("alpha", 1), ("alpha", 2), ("zeta", 1)]
 
 
+def test_a_step_splits_into_what_its_results_line_measured():
+    parts = {"data": 1.0, "to_optimizer": 7.0, "optimizer": 2.0}
+    # DDP measured 3 s of exposed communication apart: compute is the rest of the span.
+    split = sweep_report.step_split(record("ddp", 2, 1.0, step_seconds=10.0, step_parts_seconds=parts, comm_seconds=3.0))
+    assert split == {"data": 1.0, "compute": 3.0, "comm": 3.0, "bubble": None, "optimizer": 2.0, "rest": 1.0}
+    # One GPU communicates nothing; elsewhere unmeasured communication is no figure (it sits in compute).
+    assert sweep_report.step_split(record("ddp", 1, 1.0, step_seconds=10.0, step_parts_seconds=parts))["comm"] == 0.0
+    assert sweep_report.step_split(record("fsdp", 2, 1.0, step_seconds=10.0, step_parts_seconds=parts))["compute"] == 6.0
+    # A pipeline's ranks were busy 40% of the step, 2 s of it in the optimizer: the span's other 4 s are the bubble.
+    split = sweep_report.step_split(record("pipeline", 2, 1.0, step_seconds=10.0, step_parts_seconds=parts, utilisation_pct=40.0))
+    assert split == {"data": 1.0, "compute": 2.0, "comm": None, "bubble": 4.0, "optimizer": 2.0, "rest": 1.0}
+    assert sweep_report.step_split(record("tp", 2, 1.0, step_seconds=10.0)) is None  # a line from before the split
+
+
 def test_a_float8_run_is_a_row_of_its_own_after_its_strategy(tmp_path):
     float8 = record("ddp", 1, 150.0, config={"float8": "tensorwise"})
     rows, order = rows_of(tmp_path, [float8, record("fsdp", 1, 90.0), record("ddp", 1, 100.0)], [{**failure("fsdp", 1), "float8": "rowwise"}])
@@ -172,7 +186,7 @@ def table_md_rows(path):
     return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines]
 
 
-def test_cpu_sweep_reports_what_the_runs_measured(tmp_path):
+def test_cpu_sweep_reports_what_the_runs_measured(tmp_path, monkeypatch):
     for name in ("run_all.sh", "sweep_report.py", "common.py", "ddp_train.py", "pipeline_train.py"):
         shutil.copy(ROOT / name, tmp_path)
     # A strategy that fails, after noting the threads each of its ranks was given.
@@ -233,3 +247,44 @@ def test_cpu_sweep_reports_what_the_runs_measured(tmp_path):
     threads = [tuple(json.loads(line)) for line in open(tmp_path / "threads.jsonl")]
     assert sorted(threads) == [("1", "1"), ("1", "1"), ("2", "1"), ("2", "1")], threads
     assert not (tmp_path / "elsewhere").exists()
+
+    # The report: REPORT.md and its five pictures, each number in them from the lines above.
+    report = (out / "REPORT.md").read_text()
+    for name in sweep_report.PICTURES.values():
+        assert f"]({name})" in report and 0 < (out / name).stat().st_size < 200_000, name
+    lines = sweep_report.load(out)
+    bandwidth = (*sweep_report.link_bandwidth(None)[:2], 8)  # run_all.sh's defaults
+    data = sweep_report.figures(*lines, bandwidth)
+    measured = {sweep_report.name_of(key): r for key, r in records.items()}
+    bars = {bar["name"]: bar for bar in data["split"]["bars"]}
+    assert list(bars) == ["ddp x1", "ddp x2", "ddp x2 (predicted)", "pipeline x1", "pipeline x2", "pipeline x2 (predicted)"]
+    for name, bar in bars.items():
+        parts = bar["parts"]
+        step = bar["range"][0] if "predicted" in name else measured[name]["step_seconds"]  # a prediction's bar is its fast end
+        assert bar["step"] == step and min(v for v in parts.values() if v is not None) >= 0, (name, bar)
+        assert sum(v for v in parts.values() if v is not None) == pytest.approx(step, rel=0.05), (name, parts)
+        assert parts["compute"] > 0 and parts["optimizer"] > 0 and parts["data"] > 0, (name, parts)
+        assert (parts["bubble"] is None) == name.startswith("ddp"), (name, parts)
+    assert bars["ddp x1"]["parts"]["comm"] == 0 and bars["ddp x2"]["parts"]["comm"] == measured["ddp x2"]["comm_seconds"]
+    # Every run's loss at every step it logged.
+    assert {name: (c["steps"], c["losses"]) for name, c in data["loss"]["curves"].items()} == {
+        name: (list(range(1, r["steps"] + 1)), r["losses"]) for name, r in measured.items()}
+    assert data["loss"]["baseline"] == "ddp x1"
+    assert {b["name"]: b["per_rank"] for b in data["memory"]["bars"] if "predicted" not in b["name"]} == {
+        name: r["peak_mem_gib_per_rank"] for name, r in measured.items()}
+    comm = {b["name"]: b for b in data["comm"]["bars"]}
+    assert comm["ddp x2"]["bytes"]["all_reduce"] > 0 and comm["ddp x2"]["busbw_gbps"] == measured["ddp x2"]["allreduce_busbw_gbps"]
+    assert data["speedup"]["measured"]["ddp"] == [(1, 1.0), (2, measured["ddp x2"]["samples_per_sec"] / base)]
+    # The failed runs are missing, said so in each picture and the report, and drawn as nothing (not as zero).
+    broken = ["broken x1", "broken x2", "broken x2 (predicted)"]
+    for key, picture in data.items():
+        assert [m["name"] for m in picture["missing"]] == (broken[:2] if key == "loss" else broken), key  # a prediction has no loss
+    drawn = [*bars, *data["loss"]["curves"], *(b["name"] for b in data["memory"]["bars"]), *comm, *data["speedup"]["measured"], *data["speedup"]["predicted"]]
+    assert not [name for name in drawn if name.startswith("broken")], drawn
+    assert all(re.search(rf"^\| {re.escape(name)} \| (failed: )?(rank 0: )?error: broken on purpose", report, re.M) for name in broken), report
+    # Without matplotlib: the same report, with the table, saying how to get its pictures.
+    monkeypatch.setattr(sweep_report, "_pyplot", lambda: None)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    assert sweep_report.write_report(bare, *lines, bandwidth, "TABLE", []) == {}
+    assert os.listdir(bare) == ["REPORT.md"] and "TABLE" in (bare / "REPORT.md").read_text() and "pip install matplotlib" in (bare / "REPORT.md").read_text()
