@@ -7,6 +7,7 @@ Nothing here is specific to one strategy: the parallelism itself lives in each
 """
 
 import argparse
+import importlib.util
 import inspect
 import json
 import logging
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset, Sampler
 
@@ -39,6 +41,16 @@ def log(*parts):
     """Print on rank 0 only: N ranks printing the same line helps nobody."""
     if IS_MAIN:
         print(*parts, flush=True)
+
+
+_said = set()
+
+
+def log_once(message):
+    """log(), but a message that several stages or modules would repeat appears once."""
+    if message not in _said:
+        _said.add(message)
+        log(message)
 
 
 # ----------------------------------------------------------------------------
@@ -189,13 +201,16 @@ def _part_index(name, cfg):
     return int(name.removeprefix("block")) + 1
 
 
-def build_model(cfg, device, args, layers=None, embed=True, head=True):
+def build_model(cfg, device, args, layers=None, embed=True, head=True, fsdp=False):
     """Build (a slice of) the model straight on `device` (a 2.5B model never materialises
-    on the CPU first), give it its deterministic weights from --seed, and apply
-    --activation-checkpointing and --compile."""
+    on the CPU first), give it its deterministic weights from --seed, and apply --float8
+    (fsdp: the caller will shard it with fully_shard), --activation-checkpointing and
+    --compile."""
     with torch.device(device):
         model = GPT(cfg, layers, embed, head)
     model.init_weights(args.seed)
+    if args.float8:
+        convert_to_float8(model, args, device, fsdp)
     model.activation_checkpointing = args.activation_checkpointing
     if args.compile:
         # Each block in place: names stay as they were (no `_orig_mod.`), and every
@@ -203,6 +218,42 @@ def build_model(cfg, device, args, layers=None, embed=True, head=True):
         for block in model.blocks.values():
             block.compile()
     return model
+
+
+def convert_to_float8(model, args, device, fsdp):
+    """--float8: every block's linear runs its matmuls in float8 through torchao, with a
+    scale per tensor (tensorwise) or per row (rowwise) computed from each input's amax;
+    weights, gradients and optimizer state stay in high precision, so checkpoints are
+    those of a bf16 run. The head stays in bf16: the loss reads its logits."""
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        check(capability >= (8, 9), f"--float8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                                    f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(args.float8)
+    if fsdp and args.float8 == "tensorwise":
+        # FSDP then gathers each weight already cast to float8: half the bytes of bf16.
+        config = replace(config, enable_fsdp_float8_all_gather=True)
+    # float8 kernels need both dimensions divisible by 16.
+    kept = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and
+            (name == "head" or m.in_features % 16 or m.out_features % 16)]
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, name: name not in kept)
+    model.float8_fsdp_all_gather = config.enable_fsdp_float8_all_gather
+    n = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+    log_once(f"float8 {args.float8}: {n} linears converted; kept in {args.dtype}: {', '.join(kept) or 'none'}"
+             f"{'; weights all-gathered in float8' if model.float8_fsdp_all_gather else ''}")
+    if device.type == "cuda" and not args.compile:
+        log_once("note: --float8 without --compile is slower than bf16 (its casts and scales run as separate kernels): add --compile")
+
+
+def precompute_float8_scales(model):
+    """After the optimizer step, with FSDP's float8 all-gather: every weight's scale for
+    the next step, in one all-reduce of their amaxes instead of one per weight."""
+    if any(getattr(m, "float8_fsdp_all_gather", False) for m in model.modules()):
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 def count_params(cfg):
@@ -404,6 +455,9 @@ def base_parser(doc):
     g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="compute dtype under autocast; weights and optimizer stay fp32 (default: bf16 on GPUs that have it, else fp32)")
     g.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward instead of storing its activations")
     g.add_argument("--compile", action="store_true", help="torch.compile each Transformer block")
+    g.add_argument("--float8", choices=["tensorwise", "rowwise"],
+                   help="run the blocks' matmuls in float8 through torchao, scaled per tensor or per row (Hopper or newer; pays with "
+                        "--compile on large matmuls, see README); the head stays in --dtype")
     g = p.add_argument_group("system")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA with NCCL where there is a GPU, else CPU with gloo")
     g.add_argument("--timeout", type=number(float, 1, 7 * 86400, accepted="a number of seconds from 1 to 604800 (a week)"), default=600,
@@ -443,6 +497,8 @@ def parse_args(parser):
         check(int(os.environ.get("WORLD_SIZE", "1")) == 1, "--simulate plays every rank's part in one process: launch it with python, not torchrun on several")
         check(not args.checkpoint_dir, "--simulate cannot checkpoint: the other ranks' parts exist nowhere")
     check(args.simulate or not args.simulate_rank, "--simulate-rank needs --simulate N")
+    check(not args.float8 or importlib.util.find_spec("torchao") is not None,
+          "--float8 needs torchao: pip install torchao (tested with 0.18.0)")
     if args.data:
         check_token_file(args.data, cfg.vocab_size, args.seq_len)
     for option, folder in (("--checkpoint-dir", args.checkpoint_dir), ("--profile", args.profile)):
@@ -932,6 +988,8 @@ _COLLECTIVES = {
 
 
 def _tensors(x):
+    if is_traceable_wrapper_subclass(x):  # float8's tensors: count what travels, the float8 data and its scale
+        return [t for name in x.__tensor_flatten__()[0] for t in _tensors(getattr(x, name))]
     if isinstance(x, torch.Tensor):
         return [x]
     return [t for item in x for t in _tensors(item)] if isinstance(x, (list, tuple)) else []
@@ -1097,11 +1155,11 @@ class Checkpointer:
         return extra
 
     def _state(self, step):
-        return {
+        state = {
             "model": self.sd.get_model_state_dict(self.model),
             "optim": self.sd.get_optimizer_state_dict(self.model, self.optimizer, options=self.options),
-            "extra": self._extra(step),
         }
+        return torch.utils._pytree.tree_map(_plain, state) | {"extra": self._extra(step)}
 
     def _on_rank0(self, fn):
         """fn() evaluated on rank 0 and shared with every rank."""
@@ -1126,6 +1184,7 @@ class Checkpointer:
 
     def load(self):
         """Restore the newest checkpoint that loads; return the step to continue from (0 if none)."""
+        set_aside = []
         for path in self._on_rank0(self._complete) if self.dir else []:
             logging.disable(logging.WARNING)  # DCP logs each failed read with a traceback on the root logger
             try:
@@ -1139,6 +1198,7 @@ class Checkpointer:
             except (Exception, self.dcp.CheckpointException) as e:  # unreadable (DCP's error is a BaseException): set it aside, try the one before
                 aside = self._on_rank0(lambda: self._set_aside(path))
                 log(f"skipping {path}: it does not load ({_load_error(e)}); moved to {aside}, trying the one before")
+                set_aside.append(aside)
                 continue
             finally:
                 logging.disable(logging.NOTSET)
@@ -1153,6 +1213,9 @@ class Checkpointer:
             if step >= self.args.steps:
                 log(f"nothing left to train: --steps {self.args.steps}")
             return step
+        # DCP loads in place: a load that failed part-way may have changed the weights.
+        check(not set_aside, f"no checkpoint in {self.dir} loads ({', '.join(set_aside)} set aside), and the failed load may have "
+                             "changed this run's weights: launch again to train from step 0")
         return 0
 
     @staticmethod
@@ -1182,6 +1245,17 @@ class Checkpointer:
         seconds = time.perf_counter() - t0
         self.save_seconds += seconds
         log(f"saved {final} in {seconds:.1f} s")
+
+
+def _plain(value):
+    """The high-precision tensor inside torchao's float8 weight wrapper (FSDP's float8
+    all-gather), as a view of the same storage: a checkpoint then holds plain tensors
+    that a bf16 run loads too, and that load in place into the wrapped weights."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor) and hasattr(value._local_tensor, "_tensor"):
+        return DTensor.from_local(value._local_tensor._tensor, value.device_mesh, value.placements, shape=value.shape, stride=value.stride())
+    return value._tensor if isinstance(value, torch.Tensor) and hasattr(value, "_tensor") else value
 
 
 def _load_error(e):
@@ -1290,11 +1364,11 @@ def check_pipeline_args(args, pp_size):
     return pp_size * args.stages_per_rank
 
 
-def build_stage_module(cfg, args, stage, n_stages, device):
+def build_stage_module(cfg, args, stage, n_stages, device, fsdp=False):
     """The blocks of one pipeline stage; the first stage also embeds, the last also holds
     the final norm and head. Weights equal the whole model's at the same place."""
     layers = split_layers(cfg.n_layers, n_stages, args.split)[stage]
-    return build_model(cfg, device, args, layers, embed=stage == 0, head=stage == n_stages - 1)
+    return build_model(cfg, device, args, layers, embed=stage == 0, head=stage == n_stages - 1, fsdp=fsdp)
 
 
 def stage_shapes(args, cfg, stage, n_stages, micro_batch, device, activation_dtype=torch.float32):

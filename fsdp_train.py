@@ -33,17 +33,27 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import common
 
 
 def local_bytes(tensors):
     """Bytes this rank's storage really holds for these tensors: a DTensor counts only its
-    local shard (FSDP's padding included), and views of one storage count once."""
+    local shard (FSDP's padding included), a wrapper (float8's weights) what it wraps, and
+    views of one storage count once."""
     storages = {}
+
+    def add(t):
+        t = t.to_local() if isinstance(t, DTensor) else t
+        if is_traceable_wrapper_subclass(t):
+            for name in t.__tensor_flatten__()[0]:
+                add(getattr(t, name))
+        else:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
     for t in tensors:
-        storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
+        add(t)
     return sum(storages.values())
 
 
@@ -66,7 +76,7 @@ def main():
 
     # Every rank builds the same full model, then keeps only its shards: the weights equal
     # the single-process run's.
-    model = common.build_model(cfg, env.device, args)
+    model = common.build_model(cfg, env.device, args, fsdp=True)
     mesh = common.make_mesh(env, dp=env.world_size)
     # bf16: FSDP casts the gathered parameters and each unit's input to bf16, so every
     # matmul runs in bf16 without autocast (the residual stream too, unlike autocast);
@@ -105,6 +115,7 @@ def main():
                 loss += micro_loss.detach()
             grad_norm = common.clip_grad_norm_(model.parameters(), args.grad_clip)
             optimizer.step()
+            common.precompute_float8_scales(model)
             grad_bytes = local_bytes(p.grad for p in model.parameters())
             optimizer.zero_grad(set_to_none=True)
             # This rank's loss is the mean over its G/world samples; the shares sum to the global mean.

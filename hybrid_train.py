@@ -88,7 +88,7 @@ def main():
 
     # Pipeline along pp, exactly as pipeline_train.py; then replicate each stage along dp.
     stage_ids = common.stages_of_rank(args.schedule, pp_rank, pp, args.stages_per_rank)
-    modules = [common.build_stage_module(cfg, args, s, n_stages, env.device) for s in stage_ids]
+    modules = [common.build_stage_module(cfg, args, s, n_stages, env.device, fsdp=args.dp_wrapper == "fsdp") for s in stage_ids]
     wrapped = replicate(modules, args, mesh["dp"], env.device)
     # FSDP's bf16 policy casts each unit's input, so the residual stream crosses stages in bf16.
     stream = torch.bfloat16 if args.dp_wrapper == "fsdp" and args.dtype == "bf16" else torch.float32
@@ -102,7 +102,8 @@ def main():
 
     params = [p for m in modules for p in m.parameters()]
     optimizer = common.make_optimizer(params, args, env.device)
-    ckpt = common.Checkpointer(args, cfg, common.merged_stages(modules), optimizer)
+    merged = common.merged_stages(modules)
+    ckpt = common.Checkpointer(args, cfg, merged, optimizer)
     start_step = ckpt.load()
     if start_step >= args.steps:
         return
@@ -124,6 +125,7 @@ def main():
             # The norm over every stage (pp) of the whole model (FSDP shards reduce over dp).
             grad_norm = common.clip_grad_norm_(params, args.grad_clip, group=mesh["pp"].get_group())
             optimizer.step()
+            common.precompute_float8_scales(merged)
             optimizer.zero_grad(set_to_none=True)
             # Each replica's last stage holds its slice's mean loss: dp shares make the global mean.
             loss = torch.stack(losses).sum() / dp if has_last else torch.zeros((), device=env.device)

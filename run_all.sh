@@ -20,6 +20,9 @@
 #   --intra-gbps X         with --simulate: bus bandwidth per GPU inside a node (default: sweep_report.LINK_GBPS)
 #   --inter-gbps Y         with --simulate: bus bandwidth per GPU across nodes (default: sweep_report.LINK_GBPS)
 #   --gpus-per-node K      with --simulate: GPUs a node holds (default: 8)
+#   --compile              torch.compile every run's blocks
+#   --float8 MODE          also run every measured row with --float8 MODE (tensorwise or rowwise), as a row of
+#                          its own; on a GPU these rows are compiled (eager float8 is slower than bf16)
 #   --cpu                  force the CPU fallback even where there is a GPU
 #
 # Weak scaling (the default): the global batch grows with the data-parallel degree only,
@@ -42,10 +45,10 @@ one_of() {
 positive='^[1-9][0-9]*$'
 
 # Lower-case names throughout: every setting starts here or from a flag, never from the environment.
-model='' steps='' strategies='' gpus='' global_batch=8 out='' scaling=weak cpu=0 simulate='' link_args=()
+model='' steps='' strategies='' gpus='' global_batch=8 out='' scaling=weak cpu=0 simulate='' link_args=() compile_args=() float8=''
 while [ $# -gt 0 ]; do
     case "$1" in
-        --model|--steps|--strategies|--gpus|--global-batch-size|--out|--simulate|--intra-gbps|--inter-gbps|--gpus-per-node)
+        --model|--steps|--strategies|--gpus|--global-batch-size|--out|--simulate|--intra-gbps|--inter-gbps|--gpus-per-node|--float8)
             [ $# -ge 2 ] && [ -n "$2" ] && [[ $2 != --* ]] || refuse "$1 needs a value (see --help)" ;;
     esac
     case "$1" in
@@ -57,6 +60,8 @@ while [ $# -gt 0 ]; do
         --out) out=$2; shift 2 ;;
         --strong) scaling=strong; shift ;;
         --cpu) cpu=1; shift ;;
+        --compile) compile_args=(--compile); shift ;;
+        --float8) one_of "$2" tensorwise rowwise || refuse "--float8 $2: expected tensorwise or rowwise"; float8=$2; shift 2 ;;
         --simulate) simulate=$2; shift 2 ;;
         --intra-gbps|--inter-gbps)
             [[ $2 =~ ^[0-9]*\.?[0-9]+$ ]] && [[ $2 =~ [1-9] ]] || refuse "$1 $2: expected a positive number of GB/s"
@@ -102,11 +107,13 @@ read -r -a presets <<< "$preset_names"
 
 if [ "$cpu" = 1 ] || [ "$n_gpus" = 0 ]; then
     device_args=(--device cpu --num-workers 0)
+    float8_args=("${compile_args[@]}")
     model=${model:-tiny} steps=${steps:-10} gpus=${gpus:-1,2} max=2 max_label="2 processes"
     echo "No GPU in use: CPU fallback, model $model in 1-2 gloo processes, $scaling scaling, $steps steps per run. The numbers show the flow, not GPU performance."
 else
     [ -n "$model" ] || { [ "$gpu_gib" -ge 60 ] && model=2.5b || model=350m; }
     device_args=(--device cuda)
+    float8_args=(--compile)
     steps=${steps:-20} max=$n_gpus max_label="$n_gpus GPU"
     [ "$n_gpus" = 1 ] || max_label+=s
     if [ -z "$gpus" ]; then
@@ -210,7 +217,14 @@ for strategy in "${strategy_list[@]}"; do
         run_one "[$i/$total] $strategy x$n${args:+ $args}" "$out/logs/${strategy}_x$n.log" \
             "{\"strategy\": \"$strategy\", \"world_size\": $n, \"global_batch_size\": $batch}" \
             torchrun --standalone --nproc_per_node="$n" "${strategy}_train.py" --model "$model" --steps "$steps" \
-            --global-batch-size "$batch" "${device_args[@]}" --results "$results" $args
+            --global-batch-size "$batch" "${device_args[@]}" "${compile_args[@]}" --results "$results" $args
+        [ -n "$float8" ] || continue
+        # shellcheck disable=SC2086
+        run_one "[$i/$total] $strategy x$n --float8 $float8${float8_args[*]:+ ${float8_args[*]}}${args:+ $args}" \
+            "$out/logs/${strategy}_x${n}_float8.log" \
+            "{\"strategy\": \"$strategy\", \"world_size\": $n, \"global_batch_size\": $batch, \"float8\": \"$float8\"}" \
+            torchrun --standalone --nproc_per_node="$n" "${strategy}_train.py" --model "$model" --steps "$steps" \
+            --global-batch-size "$batch" "${device_args[@]}" "${float8_args[@]}" --float8 "$float8" --results "$results" $args
     done
     # Predicted rows: each distinct rank of an n-rank run, alone on this device (a plain
     # python process: --simulate makes its fake world of n itself).
@@ -223,7 +237,7 @@ for strategy in "${strategy_list[@]}"; do
             run_one "[$i/$total] $strategy x$n simulated rank $rank${args:+ $args}" "$out/logs/${strategy}_x${n}_rank$rank.log" \
                 "{\"strategy\": \"$strategy\", \"world_size\": $n, \"global_batch_size\": $batch, \"simulated\": true, \"simulated_rank\": $rank}" \
                 python3 "${strategy}_train.py" --simulate "$n" --simulate-rank "$rank" --model "$model" --steps "$steps" \
-                --global-batch-size "$batch" "${device_args[@]}" --results "$out/simulated.jsonl" $args
+                --global-batch-size "$batch" "${device_args[@]}" "${compile_args[@]}" --results "$out/simulated.jsonl" $args
         done
     done
 done

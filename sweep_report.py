@@ -16,7 +16,6 @@ from tabulate import tabulate
 import common
 
 # The article's order; strategies it does not have come after it, by name.
-# The article's order; strategies it does not have come after it, by name.
 ORDER = ["ddp", "model_parallel", "pipeline", "hybrid", "fsdp", "tp"]
 # Failure lines name the script; tensor_parallel_train.py's records say "tp".
 STRATEGY_OF_SCRIPT = {"tensor_parallel": "tp"}
@@ -34,11 +33,17 @@ def read_lines(path):
 def load(out_dir):
     """(records, failures, simulated ranks, their failures) of one sweep, failures under
     their records' strategy names."""
-    records = read_lines(os.path.join(out_dir, "results.jsonl"))
-    simulated = read_lines(os.path.join(out_dir, "simulated.jsonl"))
-    failures = [{**f, "strategy": STRATEGY_OF_SCRIPT.get(f["strategy"], f["strategy"])}
+    records = [named(r) for r in read_lines(os.path.join(out_dir, "results.jsonl"))]
+    simulated = [named(r) for r in read_lines(os.path.join(out_dir, "simulated.jsonl"))]
+    failures = [named({**f, "strategy": STRATEGY_OF_SCRIPT.get(f["strategy"], f["strategy"])})
                 for f in read_lines(os.path.join(out_dir, "failures.jsonl"))]
     return records, [f for f in failures if not f.get("simulated")], simulated, [f for f in failures if f.get("simulated")]
+
+
+def named(run):
+    """A float8 run (run_all.sh --float8) is a row of its own, named after its strategy."""
+    mode = run.get("config", run).get("float8")
+    return {**run, "strategy": f"{run['strategy']} float8 {mode}"} if mode else run
 
 
 def run_key(run):
@@ -164,7 +169,8 @@ def table_rows(records, failures, simulated=(), sim_failures=(), bandwidth=None)
 
     def order(pair):
         (strategy, world_size, batch, is_prediction), _ = pair
-        rank = ORDER.index(strategy) if strategy in ORDER else len(ORDER)
+        base_name = strategy.split(" float8")[0]  # float8 rows right after their strategy's
+        rank = ORDER.index(base_name) if base_name in ORDER else len(ORDER)
         return rank, strategy, world_size, batch, is_prediction
 
     return [[str(cell) for cell in row] for _, row in sorted(rows, key=order)]

@@ -29,6 +29,7 @@ Launch:
 """
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
@@ -49,26 +50,35 @@ class ReplicatedNorm(ParallelStyle):
         return DTensor.from_local(inputs[0], mesh, [Replicate()])
 
 
-def tensor_parallel(model, tp_mesh, sequence_parallel):
+def tensor_parallel(model, tp_mesh, sequence_parallel, float8):
     """Turn the model's weights into DTensors split over tp_mesh; the styles place the
     collectives between them."""
     # The residual stream between blocks: split along the sequence (dim 1), or whole on every rank.
     stream = Shard(1) if sequence_parallel else Replicate()
     norm = SequenceParallel if sequence_parallel else ReplicatedNorm
+    colwise, rowwise, prepare_input = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    if float8 == "tensorwise" and dist.get_backend() == "gloo":
+        common.log("note: gloo cannot all-gather float8, so activations travel in their own dtype here (on NCCL in float8)")
+    elif float8 == "tensorwise":
+        # torchao's styles cast a block input to float8 before gathering it (with SP): the
+        # all-gather then moves 1 byte per element, and q, k, v share the one cast.
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+        colwise, rowwise, prepare_input = Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
     for block in model.blocks.values():
         parallelize_module(block, tp_mesh, {
             "attn_norm": norm(),
             # One gather of the stream (with SP) feeds q, k and v; in backward their input
             # gradients, partial sums, are reduced once here.
-            "attn": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
-            "attn.q": ColwiseParallel(),
-            "attn.k": ColwiseParallel(),
-            "attn.v": ColwiseParallel(),
-            "attn.o": RowwiseParallel(output_layouts=stream),  # all-reduce, or reduce-scatter with SP
+            "attn": prepare_input(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+            "attn.q": colwise(),
+            "attn.k": colwise(),
+            "attn.v": colwise(),
+            "attn.o": rowwise(output_layouts=stream),  # all-reduce, or reduce-scatter with SP
             "mlp_norm": norm(),
-            "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
-            "mlp.fc_in": ColwiseParallel(),
-            "mlp.fc_out": RowwiseParallel(output_layouts=stream),
+            "mlp": prepare_input(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+            "mlp.fc_in": colwise(),
+            "mlp.fc_out": rowwise(output_layouts=stream),
         })
     parallelize_module(model, tp_mesh, {
         "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
@@ -96,8 +106,8 @@ def main():
 
     mesh = common.make_mesh(env, dp=args.dp, tp=tp)
     common.log(f"mesh dp {args.dp} x tp {tp}; rank 0's tensor-parallel group: ranks {mesh['tp'].mesh.tolist()}")
-    model = common.build_model(cfg, env.device, args)  # whole, then split: weights equal the single process's
-    tensor_parallel(model, mesh["tp"], args.sequence_parallel)
+    model = common.build_model(cfg, env.device, args, fsdp=args.dp > 1)  # whole, then split: weights equal the single process's
+    tensor_parallel(model, mesh["tp"], args.sequence_parallel, args.float8)
     # FSDP over dp, per block and at the root. At --dp 1 it has nothing to shard, but it
     # still gives bf16 mixed precision as in fsdp_train.py (weights and unit inputs cast
     # to bf16, gradients reduced and stepped in fp32), so no autocast is needed.
@@ -129,6 +139,7 @@ def main():
                 loss += micro_loss.detach().to_local()  # a replicated DTensor: the same on every tp rank
             grad_norm = common.clip_grad_norm_(model.parameters(), args.grad_clip)
             optimizer.step()
+            common.precompute_float8_scales(model)
             optimizer.zero_grad(set_to_none=True)
             # Every tp rank holds its dp group's mean loss: over all ranks, the shares
             # (loss / world) sum to the global mean.

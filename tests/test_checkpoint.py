@@ -71,6 +71,13 @@ def test_the_last_step_is_saved_and_an_unreadable_newest_checkpoint_is_set_aside
     # Nothing deleted: the unreadable one is kept beside the new step 4.
     assert sorted(os.listdir(tmp_path)) == ["step_00000003", "step_00000004", "step_00000004.unreadable"]
     assert (tmp_path / "step_00000004.unreadable" / shard.name).stat().st_size == 1000
+    # None loads: a failed load may have half-overwritten the weights, so it refuses to train.
+    for step in ("step_00000003", "step_00000004"):
+        (tmp_path / step / ".metadata").write_bytes(b"garbled")
+    proc, records = run_script("ddp_train.py", 1, args, torchrun=False)
+    assert proc.returncode == 2 and records == [] and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert proc.stderr.startswith(f"error: no checkpoint in {tmp_path} loads"), proc.stderr
+    assert sorted(os.listdir(tmp_path)) == ["step_00000003.unreadable", "step_00000004.unreadable", "step_00000004.unreadable-2"]
 
 
 def test_hard_death_mid_save_restarts_from_the_last_complete_checkpoint(tmp_path):

@@ -73,6 +73,14 @@ def test_rows_come_in_the_articles_order_whatever_the_input_order(tmp_path):
                      ("fsdp", 2), ("tp", 1), ("tp", 2), ("alpha", 1), ("alpha", 2), ("zeta", 1)]
 
 
+def test_a_float8_run_is_a_row_of_its_own_after_its_strategy(tmp_path):
+    float8 = record("ddp", 1, 150.0, config={"float8": "tensorwise"})
+    rows, order = rows_of(tmp_path, [float8, record("fsdp", 1, 90.0), record("ddp", 1, 100.0)], [{**failure("fsdp", 1), "float8": "rowwise"}])
+    assert order == [("single-GPU baseline", 1), ("ddp float8 tensorwise", 1), ("fsdp", 1), ("fsdp float8 rowwise", 1)]
+    # Against the bf16 baseline, not its own.
+    assert rows["ddp float8 tensorwise", 1][4] == "1.50x" and rows["fsdp float8 rowwise", 1][3].startswith("failed")
+
+
 @pytest.fixture
 def sweep_dir(tmp_path):
     """A copy of the sweep whose only strategy, ddp_train.py, leaves a file "ran" if it is run."""
@@ -101,6 +109,7 @@ BAD_OPTIONS = [
     (["--global-batch-size", "-1"], "positive whole number"),
     (["--out", "taken"], "new or empty"),
     (["--model"], "needs a value"),
+    (["--float8", "e4m3"], "tensorwise or rowwise"),
 ]
 
 
@@ -124,6 +133,16 @@ def no_run_sweep(folder, env, count=1):
         assert proc.returncode == 0, stdout + stderr
         assert "[1/1] ddp x3 ... skipped (only 2 processes here)" in stdout, stdout
     return [stdout for stdout, _ in outputs]
+
+
+def test_float8_adds_a_run_of_every_row_and_compile_reaches_every_run(sweep_dir):
+    (sweep_dir / "ddp_train.py").write_text("import json, sys\nopen('argv.jsonl', 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
+    proc = subprocess.run(["bash", "run_all.sh", "--cpu", "--strategies", "ddp", "--gpus", "1", "--simulate", "none",
+                           "--compile", "--float8", "rowwise"], cwd=sweep_dir, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = [json.loads(line) for line in open(sweep_dir / "argv.jsonl")]
+    assert len(runs) == 2 and all("--compile" in argv for argv in runs), runs
+    assert ["--float8" in argv for argv in runs] == [False, True] and runs[1][runs[1].index("--float8") + 1] == "rowwise"
 
 
 def test_two_sweeps_started_in_the_same_second_get_folders_of_their_own(sweep_dir):

@@ -1,0 +1,99 @@
+"""--float8: torchao converts every block's linear (not the head) and the run stays the
+same run, within float8's precision; FSDP and tensor parallelism move float8 bytes; a
+float8 checkpoint resumes exactly, and into a bf16 run.
+
+torchao's float8 matmul runs on a CPU through torch's reference kernel, ~100x slower
+than fp32 at these sizes, so these runs are short: 16-token samples, 2 per step."""
+
+import argparse
+import shutil
+
+import pytest
+import torch
+import torch.nn as nn
+
+import common
+from harness import comm, launch, loss_diffs, reference, run_script
+
+SHORT = ("--seq-len", 16, "--global-batch-size", 2, "--steps", 3)
+# e4m3 keeps 3 mantissa bits: each element rounds by up to 2^-4 of itself, and the scale
+# comes from the amax of what a rank holds. Ranks holding half the batch scale their
+# activations and gradients differently from one process holding it all, so the runs
+# agree to float8's precision (measured: ~2e-3 in loss here), not to fp32's 1e-5.
+FLOAT8_ATOL = 1e-2
+
+
+def float8_linears(model):
+    return [name for name, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+
+
+def test_every_block_linear_is_converted_and_the_head_is_not():
+    args = argparse.Namespace(float8="tensorwise", dtype="fp32", seed=0, activation_checkpointing=False, compile=False)
+    cfg = common.PRESETS["tiny"]
+    whole = common.build_model(cfg, torch.device("cpu"), args)
+    assert len(float8_linears(whole)) == 6 * cfg.n_layers and type(whole.head) is nn.Linear
+    # A last pipeline stage: its blocks converted, its head not; FSDP gathers in float8.
+    stage = common.build_model(cfg, torch.device("cpu"), args, layers=range(5, 8), embed=False, fsdp=True)
+    assert sorted(float8_linears(stage)) == sorted(f"blocks.{i}.{p}" for i in range(5, 8)
+                                                   for p in ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.fc_in", "mlp.fc_out"))
+    assert type(stage.head) is nn.Linear and stage.float8_fsdp_all_gather
+    # Per-row scales cannot be gathered as float8 by FSDP; dimensions float8 kernels cannot take stay as they are.
+    args.float8 = "rowwise"
+    assert not common.build_model(cfg, torch.device("cpu"), args, fsdp=True).float8_fsdp_all_gather
+    odd = common.build_model(common.ModelConfig(2, 4, 40, 64, 16, 1e-3), torch.device("cpu"), args)
+    assert float8_linears(odd) == []
+
+
+def test_two_ranks_train_the_single_process_float8_run():
+    proc, (single,) = run_script("ddp_train.py", 1, [*SHORT, "--float8", "tensorwise"], torchrun=False)
+    assert "float8 tensorwise: 48 linears converted; kept in fp32: head" in proc.stdout, proc.stdout
+    two = launch("ddp_train.py", 2, *SHORT, "--float8", "tensorwise")
+    assert max(loss_diffs(two, single)) < FLOAT8_ATOL
+    # The matmuls really ran in float8: the run is near fp32's, not equal to it.
+    fp32 = reference(*SHORT)
+    assert 1e-4 < max(loss_diffs(single, fp32)) < FLOAT8_ATOL
+
+
+def test_fsdp_gathers_float8_weights_and_a_float8_checkpoint_resumes_exactly_and_into_bf16(tmp_path):
+    args = [*SHORT, "--steps", 4, "--dtype", "bf16", "--no-reshard-after-forward", "--checkpoint-dir", tmp_path, "--checkpoint-every", 2]
+    _, (full,) = run_script("fsdp_train.py", 2, [*args, "--float8", "tensorwise"])
+    bf16 = launch("fsdp_train.py", 2, "--dtype", "bf16", "--no-reshard-after-forward")  # test_fsdp's, the same weights
+    # Block weights travel as float8 (1 byte, viewed as uint8), the root (embeddings, head) still in bf16.
+    gathers = {e["dtype"]: (e["calls"], e["bytes"]) for e in full["comm_per_step"] if e["kind"] == "all_gather"}
+    assert set(gathers) == {"uint8", "bfloat16"} and gathers["uint8"][0] == common.PRESETS["tiny"].n_layers, gathers
+    blocks_in_bf16 = comm(bf16, "all_gather")[1] - gathers["bfloat16"][1]
+    assert gathers["uint8"][1] / blocks_in_bf16 == pytest.approx(0.5, abs=0.01)
+    # The scales of every weight in one all-reduce after the step, beside the gradient norm's.
+    assert comm(full, "all_reduce")[0] == comm(bf16, "all_reduce")[0] + 1
+
+    # Resume float8 from step 2: the same steps 3 and 4, exactly.
+    shutil.copytree(tmp_path / "step_00000002", tmp_path.parent / "bf16" / "step_00000002")
+    shutil.move(tmp_path / "step_00000004", tmp_path.parent / "aside")
+    _, (resumed,) = run_script("fsdp_train.py", 2, [*args, "--float8", "tensorwise"])
+    assert resumed["start_step"] == 2 and resumed["losses"] == full["losses"][2:]
+    # Master weights are plain high-precision tensors: a bf16 run continues the same training.
+    bf16_args = [a if a != tmp_path else tmp_path.parent / "bf16" for a in args]
+    proc, (continued,) = run_script("fsdp_train.py", 2, bf16_args)
+    assert continued["start_step"] == 2, proc.stdout[-2000:]
+    assert max(loss_diffs(continued, resumed)) < FLOAT8_ATOL
+
+
+def test_tensor_parallel_gathers_activations_in_float8():
+    # Simulated: gloo cannot all-gather float8, NCCL and the fake group can.
+    run = launch("tensor_parallel_train.py", 1, *SHORT, "--simulate", 2, "--sequence-parallel", "--float8", "tensorwise")
+    gathered = {e["dtype"]: e["calls"] for e in run["comm_per_step"] if e["kind"] == "all_gather"}
+    blocks = common.PRESETS["tiny"].n_layers
+    # Per block, the attention and MLP inputs: forward in e4m3, backward's gradients in e5m2.
+    assert gathered["float8_e4m3fn"] == 2 * blocks and gathered["float8_e5m2"] == 2 * blocks, gathered
+
+
+@pytest.mark.parametrize("script, nproc, extra", [
+    ("hybrid_train.py", 4, ("--pp", 2, "--schedule", "gpipe", "--micro-batches", 1, "--float8", "tensorwise")),
+    ("model_parallel_train.py", 2, ("--float8", "rowwise")),
+])
+def test_pipelined_stages_convert_what_they_hold(script, nproc, extra):
+    run = launch(script, nproc, *SHORT, *extra)
+    assert 1e-4 < max(loss_diffs(run, reference(*SHORT))) < FLOAT8_ATOL
+    if script == "hybrid_train.py":  # FSDP over each stage's dp pair gathers its blocks in float8
+        uint8 = [e for e in run["comm_per_step"] if e["kind"] == "all_gather" and e["dtype"] == "uint8"]
+        assert sum(e["calls"] for e in uint8) == common.PRESETS["tiny"].n_layers // 2
