@@ -187,7 +187,7 @@ def main():
     mesh = common.make_mesh(env, dp=dp, cp=cp)
     cp_rank, dp_rank = mesh["cp"].get_local_rank(), mesh["dp"].get_local_rank()
     common.log(f"mesh dp {dp} x cp {cp}; rank 0's ring: ranks {mesh['cp'].mesh.tolist()}; {args.seq_len // cp} tokens of each sequence per rank")
-    model = common.build_model(cfg, env.device, args)
+    model = common.build_model(cfg, env.device, args, fsdp=True)
     if cp > 1 and args.cp_impl == "ring":
         ring = Ring(mesh["cp"].get_group())
         for block in model.blocks.values():
@@ -227,6 +227,7 @@ def main():
                 loss += micro_loss.detach()
             grad_norm = common.clip_grad_norm_(model.parameters(), args.grad_clip)
             optimizer.step()
+            common.precompute_float8_scales(model)
             optimizer.zero_grad(set_to_none=True)
             # Each rank holds the mean over its own tokens, as many on every rank: the
             # shares (loss / world) sum to the mean over the whole global batch.
