@@ -22,7 +22,8 @@ logits, which dominate at long sequences), and does 1/cp of attention's quadrati
 
 --cp-impl ring is this file's own (CPU and GPU; on a GPU it runs FlashAttention's
 kernel, bf16). --cp-impl torch uses PyTorch's torch.distributed.tensor.experimental.
-context_parallel, which shards the same chunks and has no CPU kernel.
+context_parallel, which shards the same chunks, by default all-gathers keys and values
+instead of passing them around, and has no CPU kernel.
 
 Launch:
     torchrun --standalone --nproc_per_node=8 context_parallel_train.py --model 2.5b-long --seq-len 65536 --global-batch-size 1
