@@ -79,6 +79,14 @@ PRESETS = {
     # it at batch 8 (131 GiB) but not 16; FSDP with CPU offload trains it at 16 in 74 GiB.
     "6.7b": ModelConfig(n_layers=32, n_heads=32, d_model=4096, vocab_size=32000, max_seq_len=1024, lr=1.2e-4),
 }
+# The 2.5b shape with a position table of 128k tokens, for long-context runs (context
+# parallelism): --seq-len may then go 128x past 2.5b's 1024.
+PRESETS["2.5b-long"] = replace(PRESETS["2.5b"], max_seq_len=131072)
+
+
+def causal_attention(q, k, v):
+    """Each token attends to itself and the tokens before it; q, k, v are (B, heads, T, head_dim)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class Attention(nn.Module):
@@ -91,12 +99,13 @@ class Attention(nn.Module):
         self.k = nn.Linear(d, d, bias=False)
         self.v = nn.Linear(d, d, bias=False)
         self.o = nn.Linear(d, d, bias=False)
+        self.attention = causal_attention  # context parallelism swaps in its ring attention
 
     def forward(self, x):
         B, T, _ = x.shape
         # -1 heads, not n_heads: under tensor parallelism a rank holds n_heads / tp of them.
         q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.attention(q, k, v)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -146,9 +155,12 @@ class GPT(nn.Module):
         self.head = nn.Linear(d, cfg.vocab_size, bias=False) if head else None
         self.activation_checkpointing = False
 
-    def forward(self, x):
+    def forward(self, x, positions=None):
+        """positions: each token's place in the whole sequence, where x holds only part of
+        it (context parallelism); by default 0 .. T-1."""
         if self.tok_emb is not None:
-            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+            positions = torch.arange(x.shape[1], device=x.device) if positions is None else positions
+            x = self.tok_emb(x) + self.pos_emb(positions)
         for block in self.blocks.values():
             if self.activation_checkpointing:
                 # Keep only each block's input; recompute its inside during backward.

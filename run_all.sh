@@ -6,14 +6,17 @@
 #   bash run_all.sh                      # every strategy on 1, 2, 4, ... GPUs
 #   bash run_all.sh --strategies ddp,pipeline --gpus 1,4 --model 350m
 #   bash run_all.sh --simulate 2,4,8     # predict 2, 4, 8 GPUs from this one (README, 'Predicting')
+#   bash run_all.sh --model 2.5b-long --seq-len 65536 --strategies context_parallel --global-batch-size 1 --gpus 1 --simulate 2,4,8
+#                                        # which long sequences fit at 2, 4, 8 GPUs, from each simulated rank's memory
 #
 # Options (flags only: environment variables such as MODEL or OUT, which other tools
 # set for their own purposes, are ignored):
 #   --model M              a model preset of common.py (default: 2.5b on GPUs of 60 GiB or more, else 350m; tiny on CPU)
 #   --steps N              optimizer steps per run (default: 20, 10 on CPU; the first 3 are not timed)
-#   --strategies a,b       which *_train.py scripts to run (default: ddp,model_parallel,pipeline,hybrid,fsdp,tensor_parallel)
+#   --strategies a,b       which *_train.py scripts to run (default: ddp,model_parallel,pipeline,hybrid,fsdp,tensor_parallel,context_parallel)
 #   --gpus 1,2,4           GPU counts to try (default: 1, 2, 4, ... up to what the machine has; 1,2 processes on CPU)
 #   --global-batch-size G  samples per step at 1 GPU (default: 8)
+#   --seq-len T            tokens per sample in every run (default: the preset's context length)
 #   --out DIR              results folder, new or empty (default: a new results/<date-time>-<random>)
 #   --strong               strong scaling: keep the global batch fixed
 #   --simulate 2,4,8       also predict these GPU counts, each distinct rank run alone here on a fake process
@@ -29,8 +32,8 @@
 #   --cpu                  force the CPU fallback even where there is a GPU
 #
 # Weak scaling (the default): the global batch grows with the data-parallel degree only,
-# so each data-parallel rank keeps the 1-GPU batch; model-parallel, pipeline and tensor-
-# parallel rows keep the 1-GPU batch. With no GPU, the sweep runs the tiny model in 1-2
+# so each data-parallel rank keeps the 1-GPU batch; model-parallel, pipeline, tensor-
+# and context-parallel rows keep the 1-GPU batch. With no GPU, the sweep runs the tiny model in 1-2
 # CPU processes on gloo, to show the whole flow in a few minutes. Every run gets
 # OMP_NUM_THREADS=1, whatever the environment says, so that all rows compare alike.
 set -uo pipefail
@@ -48,15 +51,16 @@ one_of() {
 positive='^[1-9][0-9]*$'
 
 # Lower-case names throughout: every setting starts here or from a flag, never from the environment.
-model='' steps='' strategies='' gpus='' global_batch=8 out='' scaling=weak cpu=0 simulate='' link_args=() compile_args=() float8='' profile=0
+model='' steps='' seq_len='' strategies='' gpus='' global_batch=8 out='' scaling=weak cpu=0 simulate='' link_args=() compile_args=() float8='' profile=0
 while [ $# -gt 0 ]; do
     case "$1" in
-        --model|--steps|--strategies|--gpus|--global-batch-size|--out|--simulate|--intra-gbps|--inter-gbps|--gpus-per-node|--float8)
+        --model|--steps|--seq-len|--strategies|--gpus|--global-batch-size|--out|--simulate|--intra-gbps|--inter-gbps|--gpus-per-node|--float8)
             [ $# -ge 2 ] && [ -n "$2" ] && [[ $2 != --* ]] || refuse "$1 needs a value (see --help)" ;;
     esac
     case "$1" in
         --model) model=$2; shift 2 ;;
         --steps) steps=$2; shift 2 ;;
+        --seq-len) seq_len=$2; shift 2 ;;
         --strategies) strategies=$2; shift 2 ;;
         --gpus) gpus=$2; shift 2 ;;
         --global-batch-size) global_batch=$2; shift 2 ;;
@@ -80,6 +84,7 @@ done
 # Timing skips 3 warm-up steps, the profiler's 5 (warm-up, 3 traced, its export) and the
 # counted last: 10 steps leave one timed (both defaults, 10 and 20, pass).
 [ "$profile" = 0 ] || [ -z "$steps" ] || [ "$steps" -ge 10 ] || refuse "--profile --steps $steps: the profiled steps are not timed, so --profile needs --steps of at least 10"
+[ -z "$seq_len" ] || [[ $seq_len =~ $positive ]] || refuse "--seq-len $seq_len: expected a positive whole number"
 [[ $global_batch =~ $positive ]] || refuse "--global-batch-size $global_batch: expected a positive whole number"
 [ -z "$gpus" ] || [[ $gpus =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || refuse "--gpus $gpus: expected positive counts separated by commas, e.g. 1,2,4"
 [ -z "$simulate" ] || [ "$simulate" = none ] || [[ $simulate =~ ^([2-9]|[1-9][0-9]+)(,([2-9]|[1-9][0-9]+))*$ ]] \
@@ -88,7 +93,7 @@ done
 scripts=(*_train.py)
 scripts=("${scripts[@]%_train.py}")
 if [ -z "$strategies" ]; then
-    for strategy in ddp model_parallel pipeline hybrid fsdp tensor_parallel; do
+    for strategy in ddp model_parallel pipeline hybrid fsdp tensor_parallel context_parallel; do
         [ -f "${strategy}_train.py" ] && strategies+=${strategies:+,}$strategy
     done
 fi
@@ -116,7 +121,7 @@ if [ "$cpu" = 1 ] || [ "$n_gpus" = 0 ]; then
     device_args=(--device cpu --num-workers 0)
     float8_args=("${compile_args[@]}")
     model=${model:-tiny} steps=${steps:-10} gpus=${gpus:-1,2} max=2 max_label="2 processes"
-    echo "No GPU in use: CPU fallback, model $model in 1-2 gloo processes, $scaling scaling, $steps steps per run. The numbers show the flow, not GPU performance."
+    banner="No GPU in use: CPU fallback, model $model in 1-2 gloo processes, $scaling scaling, $steps steps per run. The numbers show the flow, not GPU performance."
 else
     [ -n "$model" ] || { [ "$gpu_gib" -ge 60 ] && model=2.5b || model=350m; }
     device_args=(--device cuda)
@@ -130,7 +135,7 @@ else
     fi
     # Where several GPUs measure, predict the same counts: every run then checks the model.
     [ -n "$simulate" ] || [ "$n_gpus" = 1 ] || simulate=${gpus#1,}
-    echo "$n_gpus x ${gpu_name//_/ } ($gpu_gib GiB): model $model, $scaling scaling, $steps steps per run"
+    banner="$n_gpus x ${gpu_name//_/ } ($gpu_gib GiB): model $model, $scaling scaling, $steps steps per run"
 fi
 [ "$simulate" != none ] || simulate=''
 [ -n "$simulate" ] || [ ${#link_args[@]} = 0 ] || refuse "${link_args[0]} models the wire of predicted rows: it needs --simulate"
@@ -139,8 +144,11 @@ IFS=, read -r -a sim_list <<< "$simulate"
 # The model's shape, and which ranks of each simulated run differ (sweep_report.roles).
 role_pairs=()
 for strategy in "${strategy_list[@]}"; do for n in "${sim_list[@]}"; do role_pairs+=("$strategy:$n"); done; done
-shape=$(python3 -c "import common; c = common.PRESETS['$model']; print(c.n_layers, c.n_heads)") || exit 2
-read -r n_layers n_heads <<< "$shape"
+shape=$(python3 -c "import common; c = common.PRESETS['$model']; print(c.n_layers, c.n_heads, c.max_seq_len)") || exit 2
+read -r n_layers n_heads max_seq_len <<< "$shape"
+[ -z "$seq_len" ] || [ "$seq_len" -le "$max_seq_len" ] || refuse "--seq-len $seq_len: exceeds the $model preset's context of $max_seq_len (2.5b-long holds 131072)"
+seq_len=${seq_len:-$max_seq_len}
+echo "$banner"
 declare -A roles=()
 if [ ${#role_pairs[@]} -gt 0 ]; then
     while read -r strategy n rank; do roles["$strategy $n"]+="${roles["$strategy $n"]:+ }$rank"; done \
@@ -165,7 +173,7 @@ export OMP_NUM_THREADS=1
 batch_for() {
     local strategy=$1 n=$2 dp=$2
     case $strategy in
-        model_parallel|pipeline|tensor_parallel) dp=1 ;;
+        model_parallel|pipeline|tensor_parallel|context_parallel) dp=1 ;;
         hybrid) dp=$((n / 2)) ;;
     esac
     [ "$scaling" = weak ] && [ "$dp" -ge 1 ] && echo $((global_batch * dp)) || echo "$global_batch"
@@ -190,6 +198,7 @@ plan() {
             elif [ $((batch / dp % 4)) = 0 ]; then echo "--pp 2 --schedule 1f1b --micro-batches 4"
             else echo "skip: global batch $batch does not split into $dp replicas x 4 micro-batches"; fi ;;
         tensor_parallel) [ $((n_heads % n)) = 0 ] && echo "" || echo "skip: $n_heads heads do not split over $n ranks" ;;
+        context_parallel) [ $((seq_len % (2 * n))) = 0 ] && echo "" || echo "skip: $seq_len tokens do not cut into 2 x $n equal chunks" ;;
         *) echo "" ;;  # ddp, fsdp, and scripts this sweep does not know: no flags of their own
     esac
 }
@@ -226,14 +235,14 @@ for strategy in "${strategy_list[@]}"; do
         run_one "[$i/$total] $strategy x$n${args:+ $args}" "$out/logs/${strategy}_x$n.log" \
             "{\"strategy\": \"$strategy\", \"world_size\": $n, \"global_batch_size\": $batch}" \
             torchrun --standalone --nproc_per_node="$n" "${strategy}_train.py" --model "$model" --steps "$steps" \
-            --global-batch-size "$batch" "${device_args[@]}" "${compile_args[@]}" --results "$results" "${profile_args[@]}" $args
+            --global-batch-size "$batch" --seq-len "$seq_len" "${device_args[@]}" "${compile_args[@]}" --results "$results" "${profile_args[@]}" $args
         [ -n "$float8" ] || continue
         # shellcheck disable=SC2086
         run_one "[$i/$total] $strategy x$n --float8 $float8${float8_args[*]:+ ${float8_args[*]}}${args:+ $args}" \
             "$out/logs/${strategy}_x${n}_float8.log" \
             "{\"strategy\": \"$strategy\", \"world_size\": $n, \"global_batch_size\": $batch, \"float8\": \"$float8\"}" \
             torchrun --standalone --nproc_per_node="$n" "${strategy}_train.py" --model "$model" --steps "$steps" \
-            --global-batch-size "$batch" "${device_args[@]}" "${float8_args[@]}" --float8 "$float8" --results "$results" $args
+            --global-batch-size "$batch" --seq-len "$seq_len" "${device_args[@]}" "${float8_args[@]}" --float8 "$float8" --results "$results" $args
     done
     # Predicted rows: each distinct rank of an n-rank run, alone on this device (a plain
     # python process: --simulate makes its fake world of n itself).
@@ -246,7 +255,7 @@ for strategy in "${strategy_list[@]}"; do
             run_one "[$i/$total] $strategy x$n simulated rank $rank${args:+ $args}" "$out/logs/${strategy}_x${n}_rank$rank.log" \
                 "{\"strategy\": \"$strategy\", \"world_size\": $n, \"global_batch_size\": $batch, \"simulated\": true, \"simulated_rank\": $rank}" \
                 python3 "${strategy}_train.py" --simulate "$n" --simulate-rank "$rank" --model "$model" --steps "$steps" \
-                --global-batch-size "$batch" "${device_args[@]}" "${compile_args[@]}" --results "$out/simulated.jsonl" $args
+                --global-batch-size "$batch" --seq-len "$seq_len" "${device_args[@]}" "${compile_args[@]}" --results "$out/simulated.jsonl" $args
         done
     done
 done

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import common
 from harness import ROOT, TINY, run_script
 
-SCRIPTS = ["ddp_train.py", "model_parallel_train.py", "pipeline_train.py", "hybrid_train.py", "fsdp_train.py", "tensor_parallel_train.py"]
+SCRIPTS = ["ddp_train.py", "model_parallel_train.py", "pipeline_train.py", "hybrid_train.py", "fsdp_train.py", "tensor_parallel_train.py", "context_parallel_train.py"]
 
 # Refused while the command line is read, before any process group or model exists: one
 # entry per class of mistake (a number out of range or not finite, a file or folder that

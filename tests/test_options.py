@@ -14,7 +14,7 @@ import pytest
 import common
 from harness import ROOT, TINY, run_script
 
-SCRIPTS = ["ddp_train.py", "model_parallel_train.py", "pipeline_train.py", "hybrid_train.py", "fsdp_train.py", "tensor_parallel_train.py"]
+SCRIPTS = ["ddp_train.py", "model_parallel_train.py", "pipeline_train.py", "hybrid_train.py", "fsdp_train.py", "tensor_parallel_train.py", "context_parallel_train.py"]
 REPORTING_ONLY = "reporting only"
 
 # option -> the tests that fail when it is wired to nothing, or why no test can.
@@ -37,7 +37,7 @@ EFFECTS = {
     "--dtype": ["test_common.py::test_dtype_sets_the_matmul_precision_under_autocast", "test_fsdp.py::test_bf16_gathers_weights_in_bf16_and_reduces_gradients_in_fp32"],
     "--activation-checkpointing": ["test_common.py::test_activation_checkpointing_keeps_only_each_blocks_input", "test_tensor_parallel.py::test_tensor_parallel_matches_single_process"],
     "--compile": ["test_common.py::test_compile_compiles_every_block_in_place"],
-    "--float8": ["test_float8.py::test_every_block_linear_is_converted_and_the_head_is_not", "test_float8.py::test_tensor_parallel_gathers_activations_in_float8"],
+    "--float8": ["test_float8.py::test_every_block_linear_is_converted_and_the_head_is_not", "test_float8.py::test_two_ranks_train_the_single_process_float8_run", "test_float8.py::test_fsdp_gathers_float8_weights_and_a_float8_checkpoint_resumes_exactly_and_into_bf16", "test_float8.py::test_tensor_parallel_gathers_activations_in_float8"],
     "--device": ["test_common.py::test_device_cuda_without_a_gpu_is_refused_before_any_process_group"],
     "--timeout": ["test_errors.py::test_every_rank_stalled_ends_the_job_within_the_timeout_in_one_line", "test_errors.py::test_a_silent_peer_fails_the_job_within_the_timeout"],
     "--log-every": ["test_options.py::test_profile_and_tensorboard_write_their_files"],
@@ -69,6 +69,10 @@ EFFECTS = {
     # tensor_parallel_train.py
     "--dp": ["test_tensor_parallel.py::test_tensor_parallel_matches_single_process"],
     "--sequence-parallel": ["test_tensor_parallel.py::test_tensor_parallel_matches_single_process"],
+    # context_parallel_train.py
+    "--cp": ["test_context_parallel.py::test_context_parallel_matches_single_process"],
+    # torch's context_parallel has no CPU kernel: here only its refusal shows (the GPU check is in BENCHMARKS.md)
+    "--cp-impl": ["test_context_parallel.py::test_what_cannot_split_is_refused_in_one_line"],
 }
 
 

@@ -124,6 +124,7 @@ BAD_OPTIONS = [
     (["--out", "taken"], "new or empty"),
     (["--model"], "needs a value"),
     (["--float8", "e4m3"], "tensorwise or rowwise"),
+    (["--seq-len", "65"], "tiny preset's context of 64"),
 ]
 
 
