@@ -210,7 +210,8 @@ def main():
     # The cp ranks of one dp group read the same samples, and each keeps its chunks.
     micro_batch = args.global_batch_size // (dp * args.grad_accum)
     batches = common.make_batches(args, cfg, env.device, micro_batch, dp_rank, dp, start_step)
-    tlog = common.TrainLog(args, env, cfg, "cp", ckpt)
+    tlog = common.TrainLog(args, env, cfg, "cp", ckpt, optimizer)
+    batches = tlog.timed_batches(batches)
     with common.Profiler(args, env) as prof:
         for step in tlog.steps():
             lr = common.set_lr(optimizer, step, args)
