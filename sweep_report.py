@@ -499,6 +499,7 @@ def _missing_note(fig, missing):
 
 
 def _save(plt, fig, title, meta, missing, path):
+    fig.tight_layout(rect=(0, 0, 1, 0.92))  # room for the two title lines above the axes' own titles
     fig.suptitle(f"{title}\n{meta}", fontsize=10)
     _missing_note(fig, missing)
     fig.savefig(path, dpi=100, bbox_inches="tight")
@@ -598,23 +599,25 @@ def draw_loss(plt, data, meta, path):
 
 
 def draw_memory(plt, data, meta, path):
+    """One row per run, however many ranks: a bar to its fullest rank (the one that decides
+    whether the run fits), a tick for every rank, the device's capacity as a dashed line."""
     bars = data["bars"]
-    fig, ax = plt.subplots(figsize=(max(6, 0.6 * sum(len(b["per_rank"]) for b in bars) + 2), 4.5))
-    x, ticks, hatches = 0, [], ["", "//", "..", "xx"]
-    for i, bar in enumerate(bars):
-        xs = [x + j for j in range(len(bar["per_rank"]))]
-        ax.bar(xs, bar["per_rank"], width=0.8, color="0.85" if PREDICTED in bar["name"] else "0.55", hatch=hatches[i % len(hatches)],
-               edgecolor="k", lw=0.5)
-        ax.hlines(bar["capacity"], xs[0] - 0.45, xs[-1] + 0.45, colors="k", linestyles="--", lw=1.2,
-                  label="device capacity" if i == 0 else None)
-        ticks += [(xi, f"{bar['name']}\nrank {j}" if j == 0 else f"rank {j}") for j, xi in enumerate(xs)]
-        x = xs[-1] + 2
-    ax.set_xticks([t for t, _ in ticks], [s for _, s in ticks], rotation=60, ha="right", fontsize=7)
+    fig, ax = plt.subplots(figsize=(9, 0.32 * len(bars) + 1.6))
+    for y, bar in enumerate(bars):
+        peak = max(bar["per_rank"])
+        ax.barh(y, peak, height=0.6, color="0.85" if PREDICTED in bar["name"] else "0.55", hatch="//" if PREDICTED in bar["name"] else "",
+                edgecolor="k", lw=0.5)
+        ax.plot(bar["per_rank"], [y] * len(bar["per_rank"]), "k|", ms=9, label="each rank" if y == 0 else None)
+        ax.vlines(bar["capacity"], y - 0.4, y + 0.4, colors="k", linestyles="--", lw=1.2, label="device capacity" if y == 0 else None)
+        ax.text(peak, y, f" {peak:.1f} ({100 * peak / bar['capacity']:.0f}%)", va="center", fontsize=7)
+    ax.set_yticks(range(len(bars)), [b["name"] for b in bars], fontsize=8)
+    ax.invert_yaxis()
     if bars and max(max(b["per_rank"]) for b in bars) < 0.1 * max(b["capacity"] for b in bars):
-        ax.set_yscale("log")  # else the peaks are invisible under the capacity
-    ax.set_ylabel("peak memory per rank (GiB" + (", log scale" if ax.get_yscale() == "log" else "") + "); CPU: resident set")
-    ax.set_xlabel("run and rank (light bars: predicted, each rank simulated alone)")
-    ax.legend(fontsize=7)
+        ax.set_xscale("log")  # else the peaks are invisible beside the capacity
+    ax.set_xlabel("peak memory of the fullest rank (GiB" + (", log scale" if ax.get_xscale() == "log" else "") +
+                  "; CPU: resident set); light hatched bars: predicted, each rank simulated alone")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
     _save(plt, fig, "Peak memory per rank against the device's capacity", meta, data["missing"], path)
 
 
@@ -644,7 +647,7 @@ def draw_comm(plt, data, meta, path):
         ax_bw.bar(range(len(measured)), [v for _, v in measured], color="0.6", hatch="//", edgecolor="k", label="measured all-reduce bus bandwidth")
         ax_bw.set_xticks(range(len(measured)), [n for n, _ in measured], rotation=45, ha="right", fontsize=7)
     else:
-        ax_bw.text(0.5, 0.5, "not measured here:\nddp_train.py measures it at 2+ GPUs", ha="center", va="center", transform=ax_bw.transAxes)
+        ax_bw.text(0.5, 0.75, "not measured here:\nddp_train.py measures it at 2+ GPUs", ha="center", va="center", transform=ax_bw.transAxes)
         ax_bw.set_xticks([])
     if data["link_gbps"] is not None:
         ax_bw.axhline(data["link_gbps"], color="k", ls="--", label=f"modelled for predictions: {data['link_gbps']:g} GB/s")
@@ -736,10 +739,13 @@ def report_markdown(data, meta, table, notes, pictures, records, into, link):
         out += ["## Profiles\n", "One Chrome trace per rank (open it in https://ui.perfetto.dev or chrome://tracing) and the op "
                 "table, heaviest first by device time (self CPU time on a CPU).\n", "| run | traces | op tables |", "| --- | --- | --- |"]
         for name, folder in profiled:
+            # A sweep folder copied off the machine that ran it still has its profiles in profiles/.
+            if not os.path.isdir(folder):
+                folder = os.path.join(into, "profiles", os.path.basename(os.path.normpath(folder)))
             files = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
             traces = [_where(os.path.join(folder, f), into, link) for f in files if f.startswith("trace_rank")]
             tables = [_where(os.path.join(folder, f), into, link) for f in files if f.startswith("ops_rank")]
-            out.append(f"| {name} | {', '.join(traces) or 'none written'} | {', '.join(tables) or '-'} |")
+            out.append(f"| {name} | {', '.join(traces) or 'not here'} | {', '.join(tables) or '-'} |")
         out.append("")
     if data["split"]["missing"]:
         out += ["## Missing runs\n", "Shown in no picture and as failed in the table; never as zero.\n", "| run | why |", "| --- | --- |"]

@@ -87,6 +87,17 @@ def test_a_step_splits_into_what_its_results_line_measured():
     assert sweep_report.step_split(record("tp", 2, 1.0, step_seconds=10.0)) is None  # a line from before the split
 
 
+def test_a_sweep_folder_copied_off_its_machine_still_links_its_profiles(tmp_path, monkeypatch):
+    # A GPU box's sweep, copied here: its lines name the folders it profiled into over there.
+    (tmp_path / "profiles" / "ddp_x1").mkdir(parents=True)
+    (tmp_path / "profiles" / "ddp_x1" / "ops_rank0.txt").write_text("aten::mm\n")
+    line = record("ddp", 1, 1.0, model="tiny", params=1, seq_len=8, losses=[1.0], start_step=0, step_seconds=1.0, gpu_name=None, device="cpu", config={"profile": "/root/out/sweep/profiles/ddp_x1"})
+    (tmp_path / "results.jsonl").write_text(json.dumps(line) + "\n")
+    monkeypatch.setattr(sweep_report, "_pyplot", lambda: None)
+    sweep_report.write_report(tmp_path, *sweep_report.load(tmp_path), (*sweep_report.link_bandwidth(None)[:2], 8), "TABLE", [])
+    assert "| ddp x1 | not here | [ops_rank0.txt](profiles/ddp_x1/ops_rank0.txt) |" in (tmp_path / "REPORT.md").read_text()
+
+
 def test_a_float8_run_is_a_row_of_its_own_after_its_strategy(tmp_path):
     float8 = record("ddp", 1, 150.0, config={"float8": "tensorwise"})
     rows, order = rows_of(tmp_path, [float8, record("fsdp", 1, 90.0), record("ddp", 1, 100.0)], [{**failure("fsdp", 1), "float8": "rowwise"}])
