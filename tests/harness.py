@@ -1,12 +1,17 @@
-"""Launch the strategy scripts the way a user does (torchrun on CPU/gloo) and read back
-the JSON results line each run writes. Every parity test compares against one cached
-single-process run of ddp_train.py on the same global batch."""
+"""Launch the strategy scripts on CPU/gloo and read back the JSON results line each run
+writes. Every parity test compares against one cached single-process run of
+ddp_train.py on the same global batch. Runs that test the launcher's part (faults,
+signals, restarts) go through torchrun itself; runs that must simply succeed fork their
+ranks, with torchrun's environment, from a server that imported torch once."""
 
 import atexit
+import ctypes
 import functools
 import json
 import logging
 import os
+import runpy
+import socket
 import shutil
 import signal
 import subprocess
@@ -31,6 +36,37 @@ TINY = ["--model", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--ste
 PARITY_ATOL = 1e-5
 
 
+def _exit_with(fn):
+    """In a forked child: run fn, then end the process with fn's exit status (SystemExit's
+    code, 1 for an uncaught error, 0 otherwise), its output flushed; never returns."""
+    code = 1
+    try:
+        fn()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _wait(pid, timeout):
+    """A child's exit status, or None when it ran past timeout: then it and its process
+    group are killed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.killpg(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
 def _torchrun(argv, env, stdout, stderr, timeout):
     """torchrun's own entry point, torch.distributed.run.main(argv), in a forked child of
     this test process: the launcher then needs no fresh interpreter importing torch (and
@@ -39,8 +75,7 @@ def _torchrun(argv, env, stdout, stderr, timeout):
     and test_run_all also run the real `torchrun` command. Returns the exit status."""
     pid = os.fork()
     if pid == 0:  # the launcher
-        code = 1
-        try:
+        def launcher():
             os.setpgrp()  # its workers join this process group, so a timeout can end them all
             os.dup2(stdout.fileno(), 1)
             os.dup2(stderr.fileno(), 2)
@@ -56,35 +91,140 @@ def _torchrun(argv, env, stdout, stderr, timeout):
             from torch.distributed.run import main
 
             main(argv)
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.05)
-    os.killpg(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
+
+        _exit_with(launcher)
+    code = _wait(pid, timeout)
+    if code is not None:
+        return code
     raise TimeoutError(f"torchrun {' '.join(argv)} did not finish in {timeout} s")
 
 
-def run_script(script, nproc=1, args=(), env=None, timeout=120, torchrun=True, torchrun_args=()):
+# ---- Forked ranks: parity runs without an interpreter start per rank -----------------
+# A parity run's ranks each spend ~1.5 s of one of the 2 cores importing torch, most of a
+# tiny run's time. So the runs that test what a script computes, not how it is launched
+# (launch(), reference(), run_script(forked=True)), fork their ranks from one server
+# process that imported torch and the packages the scripts use, once for the session, and
+# never ran a torch op or started a thread. Each rank gets torchrun's
+# environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT: env:// rendezvous) and runs
+# the script as __main__; when one rank fails the others are ended, as torchrun does.
+# What torchrun's agent adds (restarts, signals, a dead peer) is tested through the real
+# launcher: run_script() and the torchrun commands of test_checkpoint and test_run_all.
+
+# The packages the strategy scripts import; not the scripts: common.py reads RANK on import.
+PRELOAD = ["torch", "numpy", "torch.distributed.fsdp", "torch.distributed.pipelining", "torch.distributed.tensor.parallel",
+           "torch.distributed.algorithms.ddp_comm_hooks", "torch.distributed.checkpoint", "torch.utils.data"]
+
+
+def _die_with_parent():
+    """SIGKILL this process when its parent dies (Linux's PR_SET_PDEATHSIG): a test run
+    ended by Ctrl-C or a kill leaves no job behind."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
+def _run_rank(script, argv, env):
+    """One rank, in a process forked from the server: the script as __main__; never returns."""
+    def rank():
+        _die_with_parent()
+        atexit._clear()  # the server's exit handlers are not the script's
+        sys.stdout, sys.stderr = open(1, "w", buffering=1, closefd=False), open(2, "w", buffering=1, closefd=False)
+        os.environ.clear()
+        os.environ.update(env)
+        sys.argv = [script, *argv]
+        sys.path[0] = os.path.dirname(script)  # as `python script.py` has it
+        try:
+            runpy.run_path(script, run_name="__main__")
+        finally:
+            atexit._run_exitfuncs()
+
+    _exit_with(rank)
+
+
+def _run_job(request):
+    """One run: its ranks forked, waited for, the others ended when one fails; never returns."""
+    _die_with_parent()
+    os.setpgrp()  # the server can then end the job and every rank at once
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nproc, ranks, code = request["nproc"], {}, 0
+    for rank in range(nproc):
+        env = dict(request["env"])
+        if request["torchrun"]:
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+        pid = os.fork()
+        if pid == 0:
+            _run_rank(request["script"], request["argv"], env)
+        ranks[pid] = rank
+    while ranks:
+        pid, status = os.wait()
+        del ranks[pid]
+        rank_code = os.waitstatus_to_exitcode(status)
+        if rank_code and not code:
+            code = rank_code if rank_code > 0 else 128 - rank_code
+            for other in ranks:
+                os.kill(other, signal.SIGTERM)
+    os._exit(code)
+
+
+def _serve():
+    """The server: one JSON request a line on stdin, its exit status a line on stdout."""
+    for name in PRELOAD:
+        __import__(name)
+    requests, replies = os.fdopen(os.dup(0)), os.fdopen(os.dup(1), "w", buffering=1)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0), os.dup2(devnull, 1)  # jobs inherit neither end of the protocol
+    for line in requests:
+        request = json.loads(line)
+        if "torchao.float8" not in sys.modules and "--float8" in request["argv"]:
+            import torchao.float8  # noqa: F401  once, for every float8 run after it
+        with open(request["stdout"], "w") as out, open(request["stderr"], "w") as err:
+            pid = os.fork()
+            if pid == 0:
+                os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+                _run_job(request)
+        code = _wait(pid, request["timeout"])
+        replies.write(json.dumps({"code": code}) + "\n")
+
+
+@functools.lru_cache(maxsize=None)
+def _server():
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    server = subprocess.Popen([sys.executable, __file__], cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    atexit.register(server.kill)
+    return server
+
+
+def _forked(script, nproc, argv, env, stdout, stderr, timeout, torchrun):
+    """Run one job on the server; returns its exit status."""
+    server = _server()
+    request = {"script": script, "nproc": nproc, "argv": argv, "env": env, "stdout": stdout, "stderr": stderr,
+               "timeout": timeout, "torchrun": torchrun}
+    server.stdin.write(json.dumps(request) + "\n")
+    server.stdin.flush()
+    reply = server.stdout.readline()
+    assert reply, f"the test server died (exit status {server.poll()})"
+    code = json.loads(reply)["code"]
+    if code is None:
+        raise TimeoutError(f"{script} x{nproc} {' '.join(argv)} did not finish in {timeout} s")
+    return code
+
+
+def run_script(script, nproc=1, args=(), env=None, timeout=120, torchrun=True, torchrun_args=(), forked=False):
     """Run a script on CPU/gloo with the tiny model, as `torchrun --standalone
     --nproc_per_node=N script.py ...` or, without torchrun, as a plain `python script.py`
-    (the world-of-one path). Returns (CompletedProcess, results records)."""
+    (the world-of-one path); forked: its ranks forked from the test server (see above).
+    Returns (CompletedProcess, results records)."""
     with tempfile.TemporaryDirectory() as tmp:
         results = os.path.join(tmp, "results.jsonl")
         argv = [str(ROOT / script), *TINY, *map(str, args), "--results", results]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        if torchrun:
+        if forked:
+            assert not torchrun_args, "the test server has no torchrun options"
+            out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+            code = _forked(argv[0], nproc, argv[1:], full_env, out, err, timeout, torchrun)
+            proc = subprocess.CompletedProcess(argv, code, open(out).read(), open(err).read())
+        elif torchrun:
             argv = ["--standalone", f"--nproc_per_node={nproc}", *torchrun_args, *argv]
             with open(os.path.join(tmp, "out"), "w+") as out, open(os.path.join(tmp, "err"), "w+") as err:
                 code = _torchrun(argv, full_env, out, err, timeout)
@@ -104,7 +244,7 @@ def launch(script, nproc=1, *args):
 
 @functools.lru_cache(maxsize=None)
 def _launch(script, nproc, *args):
-    proc, records = run_script(script, nproc, args)
+    proc, records = run_script(script, nproc, args, forked=True)
     assert proc.returncode == 0, f"{script} x{nproc} {args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert len(records) == 1, f"expected one results line, got {len(records)}"
     return records[0]
@@ -121,7 +261,7 @@ def checkpointed(script, nproc, *args):
 def reference(*args):
     """The single-process baseline (ddp_train.py, world size 1, no torchrun) for these
     arguments, run once per test session."""
-    proc, records = run_script("ddp_train.py", 1, args, torchrun=False)
+    proc, records = run_script("ddp_train.py", 1, args, torchrun=False, forked=True)
     assert proc.returncode == 0, f"reference {args} failed:\n{proc.stderr[-5000:]}"
     return records[0]
 
@@ -178,3 +318,7 @@ def assert_pipeline_ran(run, pp, micro_batches, grad_accum, pp_group=None):
     micro_batch = run["global_batch_size"] // (run["mesh"]["dp"] if "mesh" in run else 1) // grad_accum // micro_batches
     activation = micro_batch * run["seq_len"] * common.PRESETS[run["model"]].d_model * 4
     assert comm(run, "send", pp_group)[:2] == (crossings * micro_batches * grad_accum, crossings * micro_batches * grad_accum * activation)
+
+
+if __name__ == "__main__":
+    _serve()

@@ -47,24 +47,24 @@ def test_resume_continues_the_same_run(script, nproc, args, resume_nproc, resume
 def test_a_finished_run_has_nothing_to_do_and_another_batch_is_refused(tmp_path):
     _, folder = checkpointed("ddp_train.py", 2)  # trained to its last step, 4
     shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
-    proc, records = run_script("ddp_train.py", 1, ["--checkpoint-dir", tmp_path], torchrun=False)
+    proc, records = run_script("ddp_train.py", 1, ["--checkpoint-dir", tmp_path], torchrun=False, forked=True)
     assert proc.returncode == 0 and records == [] and "nothing left to train" in proc.stdout, proc.stderr[-2000:]
-    proc, records = run_script("ddp_train.py", 1, ["--checkpoint-dir", tmp_path, "--global-batch-size", 4], torchrun=False)
+    proc, records = run_script("ddp_train.py", 1, ["--checkpoint-dir", tmp_path, "--global-batch-size", 4], torchrun=False, forked=True)
     assert proc.returncode == 2 and records == [], proc.stderr[-2000:]
     assert proc.stderr.startswith("error: ") and "was trained with --global-batch-size 8" in proc.stderr
     # Another model's checkpoint is refused by its shape, before its tensors are read.
-    proc, records = run_script("ddp_train.py", 1, ["--checkpoint-dir", tmp_path, "--vocab-size", 600], torchrun=False)
+    proc, records = run_script("ddp_train.py", 1, ["--checkpoint-dir", tmp_path, "--vocab-size", 600], torchrun=False, forked=True)
     assert proc.returncode == 2 and records == [] and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
     assert proc.stderr.startswith(f"error: {tmp_path}/step_00000004 holds a model with vocab_size 512, this run's has 600")
 
 
 def test_the_last_step_is_saved_and_an_unreadable_newest_checkpoint_is_set_aside(tmp_path):
     args = ["--checkpoint-dir", tmp_path, "--checkpoint-every", "3"]
-    _, (full,) = run_script("ddp_train.py", 1, args, torchrun=False)
+    _, (full,) = run_script("ddp_train.py", 1, args, torchrun=False, forked=True)
     assert sorted(os.listdir(tmp_path)) == ["step_00000003", "step_00000004"]  # 4 is no multiple of 3, but the last
     shard = next((tmp_path / "step_00000004").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:1000])  # a save cut short by a full disk, say
-    proc, (resumed,) = run_script("ddp_train.py", 1, args, torchrun=False)
+    proc, (resumed,) = run_script("ddp_train.py", 1, args, torchrun=False, forked=True)
     assert proc.stdout.count("skipping ") == 1 and f"skipping {tmp_path}/step_00000004: it does not load" in proc.stdout, proc.stdout
     assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
     assert_continues(resumed, full, start=3)
@@ -74,7 +74,7 @@ def test_the_last_step_is_saved_and_an_unreadable_newest_checkpoint_is_set_aside
     # None loads: a failed load may have half-overwritten the weights, so it refuses to train.
     for step in ("step_00000003", "step_00000004"):
         (tmp_path / step / ".metadata").write_bytes(b"garbled")
-    proc, records = run_script("ddp_train.py", 1, args, torchrun=False)
+    proc, records = run_script("ddp_train.py", 1, args, torchrun=False, forked=True)
     assert proc.returncode == 2 and records == [] and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
     assert proc.stderr.startswith(f"error: no checkpoint in {tmp_path} loads"), proc.stderr
     assert sorted(os.listdir(tmp_path)) == ["step_00000003.unreadable", "step_00000004.unreadable", "step_00000004.unreadable-2"]

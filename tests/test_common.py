@@ -120,11 +120,14 @@ def data_args(**overrides):
 def test_dataloader_workers_run_outside_the_trainers_process_group():
     """--num-workers N starts N worker processes, each in its own process group, so that
     torchrun's SIGTERM to the trainer's group does not kill them mid-step."""
+    def children():
+        return {int(pid) for pid in open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()}
+
     cfg = common.PRESETS["tiny"]
+    before = children()  # the harness's test server may be one
     batches = common.make_batches(data_args(num_workers=2), cfg, torch.device("cpu"), 4)
     next(batches)
-    children = [int(pid) for pid in open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()]
-    workers = [pid for pid in children if "python" in open(f"/proc/{pid}/cmdline").read()]
+    workers = [pid for pid in children() - before if "python" in open(f"/proc/{pid}/cmdline").read()]
     assert len(workers) == 2 and all(os.getpgid(pid) == pid for pid in workers), workers
     assert common.make_batches(data_args(), cfg, torch.device("cpu"), 4) is not None
     batches.close()

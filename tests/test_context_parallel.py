@@ -28,7 +28,7 @@ def launch_and_check(case):
     nproc, extra, cps = CASES[case]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ring.json")
-        proc, records = run_script("tests/context_parallel_worker.py", nproc, extra, env={"RING_CHECK_CPS": cps, "RING_CHECK_OUT": out})
+        proc, records = run_script("tests/context_parallel_worker.py", nproc, extra, env={"RING_CHECK_CPS": cps, "RING_CHECK_OUT": out}, forked=True)
         assert proc.returncode == 0 and len(records) == 1, f"{case} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
         with open(out) as f:
             return records[0], {int(cp): diffs for cp, diffs in json.load(f).items()}

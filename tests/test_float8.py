@@ -45,7 +45,7 @@ def test_every_block_linear_is_converted_and_the_head_is_not():
 
 
 def test_two_ranks_train_the_single_process_float8_run():
-    proc, (single,) = run_script("ddp_train.py", 1, [*SHORT, "--float8", "tensorwise"], torchrun=False)
+    proc, (single,) = run_script("ddp_train.py", 1, [*SHORT, "--float8", "tensorwise"], torchrun=False, forked=True)
     assert "float8 tensorwise: 48 linears converted; kept in fp32: head" in proc.stdout, proc.stdout
     two = launch("ddp_train.py", 2, *SHORT, "--float8", "tensorwise")
     assert max(loss_diffs(two, single)) < FLOAT8_ATOL
@@ -56,7 +56,7 @@ def test_two_ranks_train_the_single_process_float8_run():
 
 def test_fsdp_gathers_float8_weights_and_a_float8_checkpoint_resumes_exactly_and_into_bf16(tmp_path):
     args = [*SHORT, "--steps", 4, "--dtype", "bf16", "--no-reshard-after-forward", "--checkpoint-dir", tmp_path, "--checkpoint-every", 2]
-    _, (full,) = run_script("fsdp_train.py", 2, [*args, "--float8", "tensorwise"])
+    _, (full,) = run_script("fsdp_train.py", 2, [*args, "--float8", "tensorwise"], forked=True)
     bf16 = launch("fsdp_train.py", 2, "--dtype", "bf16", "--no-reshard-after-forward")  # test_fsdp's, the same weights
     # Block weights travel as float8 (1 byte, viewed as uint8), the root (embeddings, head) still in bf16.
     gathers = {e["dtype"]: (e["calls"], e["bytes"]) for e in full["comm_per_step"] if e["kind"] == "all_gather"}
@@ -69,11 +69,11 @@ def test_fsdp_gathers_float8_weights_and_a_float8_checkpoint_resumes_exactly_and
     # Resume float8 from step 2: the same steps 3 and 4, exactly.
     shutil.copytree(tmp_path / "step_00000002", tmp_path.parent / "bf16" / "step_00000002")
     shutil.move(tmp_path / "step_00000004", tmp_path.parent / "aside")
-    _, (resumed,) = run_script("fsdp_train.py", 2, [*args, "--float8", "tensorwise"])
+    _, (resumed,) = run_script("fsdp_train.py", 2, [*args, "--float8", "tensorwise"], forked=True)
     assert resumed["start_step"] == 2 and resumed["losses"] == full["losses"][2:]
     # Master weights are plain high-precision tensors: a bf16 run continues the same training.
     bf16_args = [a if a != tmp_path else tmp_path.parent / "bf16" for a in args]
-    proc, (continued,) = run_script("fsdp_train.py", 2, bf16_args)
+    proc, (continued,) = run_script("fsdp_train.py", 2, bf16_args, forked=True)
     assert continued["start_step"] == 2, proc.stdout[-2000:]
     assert max(loss_diffs(continued, resumed)) < FLOAT8_ATOL
 

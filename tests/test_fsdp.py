@@ -74,7 +74,7 @@ def test_shards_shrink_with_ranks():
 
 def test_bad_configuration_fails_at_once_with_one_line():
     # A world of one without torchrun, so the exit status is the script's own.
-    proc, records = run_script("fsdp_train.py", 1, ["--global-batch-size", "6", "--grad-accum", "4"], timeout=60, torchrun=False)
+    proc, records = run_script("fsdp_train.py", 1, ["--global-batch-size", "6", "--grad-accum", "4"], timeout=60, torchrun=False, forked=True)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: --global-batch-size 6 "), proc.stderr[-3000:]

@@ -25,7 +25,7 @@ CASES = [
 def test_hybrid_matches_single_process(pp, wrapper, schedule, extra):
     args = ["--pp", pp, "--dp-wrapper", wrapper, "--schedule", schedule, "--micro-batches", 4 if pp == 4 else 2, *extra]
     if schedule == "zbv" and common.torch_version() < (2, 13):
-        proc, _ = run_script("hybrid_train.py", 4, args)  # see test_pipeline: refused on gloo here
+        proc, _ = run_script("hybrid_train.py", 4, args, forked=True)  # see test_pipeline: refused on gloo here
         assert proc.returncode != 0 and proc.stderr.count("error: --schedule zbv on gloo needs torch 2.13") == 1, proc.stderr[-3000:]
         return
     # The dp=4 run also saves checkpoints, which test_checkpoint resumes from.

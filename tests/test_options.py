@@ -131,7 +131,7 @@ def test_profile_and_tensorboard_write_their_files(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     proc, (record,) = run_script("ddp_train.py", 1, ["--steps", "7", "--profile", tmp_path / "prof", "--log-every", "4",
-                                                     "--tensorboard", tmp_path / "tb"], torchrun=False)
+                                                     "--tensorboard", tmp_path / "tb"], torchrun=False, forked=True)
     trace = json.loads((tmp_path / "prof" / "trace_rank0.json").read_text())
     assert any(event.get("name") == "aten::mm" for event in trace["traceEvents"]), "no matmuls in the trace"
     table = (tmp_path / "prof" / "ops_rank0.txt").read_text()

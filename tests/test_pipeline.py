@@ -27,7 +27,7 @@ CASES = [
 def test_schedule_matches_single_process(schedule, nproc, micro_batches, extra):
     if schedule == "zbv" and common.torch_version() < (2, 13):
         # gloo cannot run ZBV on these releases: the script must say so, once.
-        proc, _ = run_script("pipeline_train.py", nproc, ["--schedule", "zbv", "--micro-batches", micro_batches])
+        proc, _ = run_script("pipeline_train.py", nproc, ["--schedule", "zbv", "--micro-batches", micro_batches], forked=True)
         assert proc.returncode != 0 and proc.stderr.count("error: --schedule zbv on gloo needs torch 2.13") == 1, proc.stderr[-3000:]
         return
     args = ("--schedule", schedule, "--micro-batches", micro_batches, *extra)
