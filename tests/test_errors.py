@@ -70,6 +70,7 @@ BAD_SCRIPT_OPTIONS = [
     ("hybrid_train.py", ["--stages-per-rank", "0"], "argument --stages-per-rank: '0'"),
     ("model_parallel_train.py", ["--split", "4,"], "argument --split: '4,'"),
     ("tensor_parallel_train.py", ["--dp", "0"], "argument --dp: '0'"),
+    ("tensor_parallel_train.py", ["--simulate", "2", "--sequence-parallel", "--seq-len", "31"], "--sequence-parallel splits --seq-len 31 over tp 2"),
 ]
 
 
