@@ -191,8 +191,19 @@ def _serve():
 def _server():
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen([sys.executable, __file__], cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    atexit.register(server.kill)
+    atexit.register(_stop, server)
     return server
+
+
+def _stop(server):
+    """End of the session: closing its requests ends the server as any process ends (its
+    exit handlers remove the CHECKPOINTS folder it made on import); killed if a job still
+    runs (a test interrupted), which takes the job with it."""
+    server.stdin.close()
+    try:
+        server.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        server.kill()
 
 
 def _forked(script, nproc, argv, env, stdout, stderr, timeout, torchrun):
@@ -223,7 +234,7 @@ def run_script(script, nproc=1, args=(), env=None, timeout=120, torchrun=True, t
             assert not torchrun_args, "the test server has no torchrun options"
             out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
             code = _forked(argv[0], nproc, argv[1:], full_env, out, err, timeout, torchrun)
-            proc = subprocess.CompletedProcess(argv, code, open(out).read(), open(err).read())
+            proc = subprocess.CompletedProcess(argv, code, Path(out).read_text(), Path(err).read_text())
         elif torchrun:
             argv = ["--standalone", f"--nproc_per_node={nproc}", *torchrun_args, *argv]
             with open(os.path.join(tmp, "out"), "w+") as out, open(os.path.join(tmp, "err"), "w+") as err:
