@@ -20,6 +20,8 @@ import signal
 import sys
 import threading
 import time
+import traceback
+from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -566,9 +568,10 @@ def run(main):
     """Run a script's main() and turn the failures a user can act on into one line.
     Every way out ends this process: DataLoader workers stop with it (or, if it is
     killed, see it gone), and the Watchdog ends a process whose steps stall."""
-    code = 0
+    code, finished = 0, False
     try:
         main()
+        finished = True
     except (ConfigError, NonFiniteLoss) as e:  # every rank alike: rank 0 speaks for all
         _exiting.set()
         code = 2 if isinstance(e, ConfigError) else 3
@@ -598,6 +601,14 @@ def run(main):
               file=sys.stderr, flush=True)
     finally:
         _exiting.set()
+        if not finished and any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+            # A checkpoint being written behind training: Python would wait for its thread, up
+            # to a --timeout if its peers are gone. It is not committed; the one before stays.
+            if code == 0 and sys.exc_info()[0] is not None:
+                traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code or 1)
         if dist.is_initialized():
             dist.destroy_process_group()
     sys.exit(code)
@@ -1033,6 +1044,8 @@ class TrainLog:
             "simulated_rank": self.env.rank if self.args.simulate else None,  # world_size is then the simulated world's
             "step_seconds": seconds,
             "step_parts_seconds": parts,  # see StepClock
+            "checkpoints_saved": self.ckpt.saves,
+            "checkpoint_stall_seconds": self.ckpt.stall_seconds(),  # saves (left out of step_seconds), steps waiting for their copy (in it)
             "torch_version": torch.__version__,
             "finished_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             **extra,
@@ -1223,6 +1236,13 @@ class Checkpointer:
     write the same name; optimizer state is keyed by those names too, which lets DCP
     reshard to another world size. Step, run and model shape are stored as tensors, but DCP
     reads its metadata with pickle: a checkpoint is trusted input, like code.
+
+    The saves of --checkpoint-every are written behind training (dcp.async_save): training
+    stops only while the state is copied to host memory (on a GPU, not even then: the copy
+    runs on a side stream, and the next optimizer step waits for it), and a thread of DCP's
+    writes it to disk over a gloo group of its own, then commits it. That copy costs host
+    memory the size of this rank's state, kept for the next save. The last save, and one
+    on SIGTERM, are written at once: the job ends next.
     """
 
     # What must match for a resume to continue the same run (the data position is step x batch).
@@ -1232,13 +1252,27 @@ class Checkpointer:
     def __init__(self, args, cfg, model, optimizer, scaler=None):
         self.args, self.cfg, self.dir, self.every = args, cfg, args.checkpoint_dir, args.checkpoint_every
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        self.start_step, self.save_seconds = 0, 0.0  # set by load(); time spent saving, for TrainLog
+        self.start_step, self.save_seconds = 0, 0.0  # set by load(); time training stood still for saves, for TrainLog
+        self.saves, self.staging_wait, self.background = 0, 0.0, None  # background: the save written behind training, done when committed
         if self.dir:  # imported only when used: DCP takes a second to load
             import torch.distributed.checkpoint as dcp
             import torch.distributed.checkpoint.state_dict as sd
 
             self.dcp, self.sd = dcp, sd
             self.options = sd.StateDictOptions(flatten_optimizer_state_dict=True)
+        if self.dir and self.every:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # Its own group: collectives of two threads must not interleave on one.
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout))
+            cuda = any(p.is_cuda for p in model.parameters())
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=cuda, use_non_blocking_copy=cuda))
+            optimizer.register_step_pre_hook(self._wait_for_staging)  # the step would change what is being copied
+
+    def _wait_for_staging(self, *_):
+        start = time.perf_counter()
+        self.stager.synchronize_staging()
+        self.staging_wait += time.perf_counter() - start
 
     def _extra(self, step):
         extra = {"step": torch.tensor(step), "steps": torch.tensor(self.args.steps)}
@@ -1322,23 +1356,60 @@ class Checkpointer:
         return aside
 
     def maybe_save(self, step, force=False):
-        """Save after `step` optimizer steps if it is due: every --checkpoint-every steps,
-        after the last step, or when forced (SIGTERM)."""
-        if not self.dir or not (force or step == self.args.steps or (self.every and step % self.every == 0)):
+        """Save after `step` optimizer steps if it is due: every --checkpoint-every steps
+        (behind training), after the last step, or when forced (SIGTERM)."""
+        if self.background is not None and self.background.done():
+            self.wait()  # raises here, not steps later, if the background save failed
+        ends = force or step == self.args.steps
+        if not self.dir or not (ends or (self.every and step % self.every == 0)):
             return
+        t0 = time.perf_counter()
+        self.wait()  # one save at a time, committed in order
         final = os.path.join(self.dir, f"step_{step:08d}")
         if self._on_rank0(lambda: os.path.isdir(final)):
             return
-        t0 = time.perf_counter()
-        self.dcp.save(self._state(step), checkpoint_id=final + ".partial")
-        fault_point("save", step)
-        dist.barrier()  # every rank's part is on disk
-        if IS_MAIN:
-            os.rename(final + ".partial", final)  # the commit: from now on resume sees it
-        dist.barrier()
+        if ends:
+            self.dcp.save(self._state(step), checkpoint_id=final + ".partial")
+            self._commit(final, step, dist.group.WORLD)
+            if self.every:
+                self.stager.close()  # its host copy of the state is not needed again
+        else:
+            response = self.dcp.async_save(self._state(step), checkpoint_id=final + ".partial", process_group=self.group,
+                                           async_stager=self.stager)
+            written = getattr(response, "upload_completion", response)  # a Future, or with async staging a pair of them
+            self.background = committed = Future()
+
+            def commit(written):
+                try:
+                    written.result()
+                    self._commit(final, step, self.group)
+                    log(f"saved {final} (written behind training)")
+                    committed.set_result(None)
+                except BaseException as e:  # DCP's CheckpointException is one
+                    committed.set_exception(e)
+
+            written.add_done_callback(commit)  # in DCP's thread, once this rank's part is on disk
         seconds = time.perf_counter() - t0
         self.save_seconds += seconds
-        log(f"saved {final} in {seconds:.1f} s")
+        self.saves += 1
+        log(f"saved {final} in {seconds:.1f} s" if ends else f"saving {final} behind training (it stood still {seconds:.2f} s)")
+
+    def _commit(self, final, step, group):
+        fault_point("save", step)
+        dist.barrier(group=group)  # every rank's part is on disk
+        if IS_MAIN:
+            os.rename(final + ".partial", final)  # the commit: from now on resume sees it
+        dist.barrier(group=group)
+
+    def wait(self):
+        """Until the save being written behind training, if any, is committed; raises if it failed."""
+        if self.background is not None:
+            background, self.background = self.background, None
+            background.result()
+
+    def stall_seconds(self):
+        """How long training stood still for checkpoints: saves, and steps waiting for a copy."""
+        return self.save_seconds + self.staging_wait
 
 
 def _plain(value):
@@ -1363,7 +1434,8 @@ def _load_error(e):
 
 
 # Where each injectable fault strikes; see fault_point.
-_FAULT_PLACES = {"kill": "step", "hang": "step", "raise": "step", "nan": "loss", "kill-in-save": "save"}
+_FAULT_PLACES = {"kill": "step", "hang": "step", "raise": "step", "nan": "loss", "kill-in-save": "save", "raise-in-save": "save",
+                 "slow-save": "save"}
 
 
 def fault_point(where, step):
@@ -1371,7 +1443,8 @@ def fault_point(where, step):
     kill: SIGKILL during STEP; hang: stop answering during STEP; raise: an exception
     nobody catches (a bug) during STEP; nan: the loss of STEP
     becomes NaN; kill-in-save: SIGKILL after writing the checkpoint taken after STEP,
-    before it is committed. STEP counts from 1, as in the log; RANK defaults to every
+    before it is committed; raise-in-save: a write that fails there (a full disk, say);
+    slow-save: a write that takes 2 s more there. STEP counts from 1, as in the log; RANK defaults to every
     rank. Only on a job's first attempt, so an elastic restart runs clean."""
     spec = os.environ.get("TRAIN_FAULT")
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
@@ -1382,8 +1455,10 @@ def fault_point(where, step):
     print(f"fault injection: {kind} on rank {RANK} at step {step}", file=sys.stderr, flush=True)
     if kind in ("kill", "kill-in-save"):
         os.kill(os.getpid(), signal.SIGKILL)
-    if kind == "raise":
+    if kind in ("raise", "raise-in-save"):
         raise RuntimeError(f"fault injection: an uncaught error at step {step}")
+    if kind == "slow-save":
+        time.sleep(2)
     if kind == "hang":
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a hung peer still dies when torchrun ends the job
         while True:

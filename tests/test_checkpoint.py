@@ -113,3 +113,33 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     step = int(stopped[0].rsplit(" ", 1)[1])
     assert os.listdir(tmp_path) == [f"step_{step:08d}"] and "saved " in out and "done |" in out, out + err
     assert "[rank" not in err, "a rank failed instead of stopping cleanly"
+
+
+def test_periodic_saves_are_written_behind_training(tmp_path):
+    # The step-2 save takes 2 s longer to write: written behind training, step 3 is logged
+    # before it is committed (the step-4 save then waits for it: one save at a time).
+    args = ["--steps", "6", "--checkpoint-dir", tmp_path, "--checkpoint-every", "2"]
+    proc, records = run_script("ddp_train.py", 2, args, env={"TRAIN_FAULT": "slow-save:2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    committed = lines.index(f"saved {tmp_path}/step_00000002 (written behind training)")
+    assert any(line.startswith("step     3/") for line in lines[:committed]), proc.stdout
+    assert sorted(os.listdir(tmp_path)) == ["step_00000002", "step_00000004", "step_00000006"]
+    assert records[0]["checkpoints_saved"] == 3, records[0]
+    # What it wrote behind training resumes the same run.
+    shutil.rmtree(tmp_path / "step_00000004"), shutil.rmtree(tmp_path / "step_00000006")
+    assert_continues(launch("ddp_train.py", 2, "--steps", 6, "--checkpoint-dir", tmp_path), reference("--steps", "6"), start=2)
+
+
+def test_a_failed_background_save_ends_the_job_and_keeps_the_last_checkpoint(tmp_path):
+    # Rank 1's write of the step-4 checkpoint fails behind training: the job must fail
+    # (not train on without the checkpoint it was asked for), within seconds, leaving step 2
+    # the newest checkpoint and step 4 uncommitted.
+    args = ["--steps", "100", "--checkpoint-dir", tmp_path, "--checkpoint-every", "2"]
+    start = time.monotonic()
+    proc, records = run_script("ddp_train.py", 2, args, env={"TRAIN_FAULT": "raise-in-save:4:1"}, timeout=60)
+    assert proc.returncode != 0 and records == [], proc.stdout[-2000:]
+    assert time.monotonic() - start < 30
+    assert "fault injection: raise-in-save on rank 1 at step 4" in proc.stderr
+    assert "step_00000002" in os.listdir(tmp_path) and "step_00000004" not in os.listdir(tmp_path)
+    assert not any(name.startswith("step_000001") for name in os.listdir(tmp_path))
