@@ -28,6 +28,8 @@ Launch:
         --rdzv_id=job1 tensor_parallel_train.py --model 2.5b --dp 4 --sequence-parallel
 """
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -108,13 +110,17 @@ def main():
     common.log(f"mesh dp {args.dp} x tp {tp}; rank 0's tensor-parallel group: ranks {mesh['tp'].mesh.tolist()}")
     model = common.build_model(cfg, env.device, args, fsdp=args.dp > 1)  # whole, then split: weights equal the single process's
     tensor_parallel(model, mesh["tp"], args.sequence_parallel, args.float8)
-    # FSDP over dp, per block and at the root. At --dp 1 it has nothing to shard, but it
-    # still gives bf16 mixed precision as in fsdp_train.py (weights and unit inputs cast
-    # to bf16, gradients reduced and stepped in fp32), so no autocast is needed.
-    precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.dtype == "bf16" else MixedPrecisionPolicy()
-    for block in model.blocks.values():
-        fully_shard(block, mesh=mesh["dp"], mp_policy=precision)
-    fully_shard(model, mesh=mesh["dp"], mp_policy=precision)
+    # FSDP over dp, per block and at the root, with bf16 mixed precision as in fsdp_train.py
+    # (weights and unit inputs cast to bf16, gradients reduced and stepped in fp32). At
+    # --dp 1 it would have nothing to shard and only add its casts and copies to each step
+    # (torchtitan also applies a parallelism only where its degree is above 1): autocast
+    # gives the bf16 matmuls instead.
+    if args.dp > 1:
+        precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.dtype == "bf16" else MixedPrecisionPolicy()
+        for block in model.blocks.values():
+            fully_shard(block, mesh=mesh["dp"], mp_policy=precision)
+        fully_shard(model, mesh=mesh["dp"], mp_policy=precision)
+    autocast = common.autocast(args, env.device) if args.dp == 1 else nullcontext()
 
     optimizer = common.make_optimizer(model.parameters(), args, env.device)
     ckpt = common.Checkpointer(args, cfg, model, optimizer)
@@ -135,7 +141,9 @@ def main():
             for _ in range(args.grad_accum):
                 x, y = next(batches)
                 with loss_parallel():  # cross entropy over vocabulary shards, forward and backward
-                    micro_loss = common.loss_fn(model(x), y) / args.grad_accum
+                    with autocast:
+                        logits = model(x)
+                    micro_loss = common.loss_fn(logits, y) / args.grad_accum
                     micro_loss.backward()
                 loss += micro_loss.detach().to_local()  # a replicated DTensor: the same on every tp rank
             grad_norm = common.clip_grad_norm_(model.parameters(), args.grad_clip)
