@@ -149,3 +149,19 @@ def test_profile_and_tensorboard_write_their_files(tmp_path):
                                                                        for _, s in scalars["step_seconds"]], rel=1e-5)
     # --log-every 4: the step line of step 4 and of the last step, no other.
     assert [line.split("|")[0].split()[1] for line in proc.stdout.splitlines() if line.startswith("step ")] == ["4/7", "7/7"]
+
+
+def test_the_gpu_matrix_runs_every_option_of_every_script_or_says_why_not(monkeypatch):
+    """benchmarks/gpu_options.py is the GPU's check of the options: a script's new option
+    must become one of its cases, or say why one GPU has nothing to show of it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_options
+
+    accounted = set(gpu_options.NOT_HERE) | set(gpu_options.ALWAYS)
+    unrun = []
+    for strategy, script in gpu_options.SCRIPTS.items():
+        named = {o for _, options in gpu_options.cases([strategy]) for o in options if o.startswith("--")}
+        for action in parser_of(script, monkeypatch)._actions:
+            unrun += [f"{script} {o}" for o in action.option_strings if o.startswith("--") and o not in named | accounted]
+    assert sorted(gpu_options.SCRIPTS.values()) == sorted(SCRIPTS)
+    assert not unrun, f"options the GPU matrix neither runs nor explains: {unrun}"
