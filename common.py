@@ -96,17 +96,18 @@ class Attention(nn.Module):
         super().__init__()
         d = cfg.d_model
         self.head_dim = d // cfg.n_heads
-        # Separate q/k/v so tensor parallelism can split each by heads.
-        self.q = nn.Linear(d, d, bias=False)
-        self.k = nn.Linear(d, d, bias=False)
-        self.v = nn.Linear(d, d, bias=False)
+        # q, k and v in one matrix product: under autocast one cast of the input to bf16
+        # and one input gradient, not three (and their sum). Output features are grouped by
+        # head, [q k v] of head 0, then of head 1, ..., so tensor parallelism's split of
+        # them hands each rank whole heads.
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.o = nn.Linear(d, d, bias=False)
         self.attention = causal_attention  # context parallelism swaps in its ring attention
 
     def forward(self, x):
         B, T, _ = x.shape
         # -1 heads, not n_heads: under tensor parallelism a rank holds n_heads / tp of them.
-        q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q, k, v = self.qkv(x).view(B, T, -1, 3, self.head_dim).transpose(1, 2).unbind(3)
         y = self.attention(q, k, v)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -260,7 +261,7 @@ def precompute_float8_scales(model):
 
 def count_params(cfg):
     d, L, V = cfg.d_model, cfg.n_layers, cfg.vocab_size
-    block = 12 * d * d + 4 * d  # q, k, v, o, MLP in and out; two LayerNorms' weight and bias
+    block = 12 * d * d + 4 * d  # qkv, o, MLP in and out; two LayerNorms' weight and bias
     return V * d + cfg.max_seq_len * d + L * block + 2 * d + d * V
 
 
@@ -273,8 +274,10 @@ def flops_per_token(cfg, seq_len):
 
 
 def loss_fn(logits, targets):
-    """Mean next-token cross entropy, in fp32 whatever the autocast dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    """Mean next-token cross entropy, in fp32 whatever the logits' dtype: log_softmax reads
+    bf16 logits and writes fp32 in one kernel, where .float() first would copy them."""
+    log_probs = F.log_softmax(logits.flatten(0, 1), dim=-1, dtype=torch.float32)
+    return F.nll_loss(log_probs, targets.flatten())
 
 
 # ----------------------------------------------------------------------------

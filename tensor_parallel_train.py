@@ -1,14 +1,14 @@
 """Megatron-style tensor parallelism with DTensor, optionally composed with FSDP (2-D).
 
 Tensor parallelism splits every weight matrix over the tp ranks of a group, which all
-work on the same samples. In each block, q, k and v are split by columns, so each rank
-computes n_heads/tp whole heads; the output projection is split by rows, so each rank
-holds a partial sum and one all-reduce completes the block's attention. The MLP is the
-same pair: fc_in by columns (GELU needs no communication), fc_out by rows. Per block
-that is two all-reduces in forward and two in backward, of activations, not weights:
-cheap inside a node over NVLink, too chatty across nodes. The embeddings are split by
-rows (vocabulary, positions) and the head by columns; the logits stay split over the
-vocabulary, and loss_parallel computes the cross entropy from the shards.
+work on the same samples. In each block, the q, k, v projection is split by columns, so
+each rank computes n_heads/tp whole heads; the output projection is split by rows, so
+each rank holds a partial sum and one all-reduce completes the block's attention. The
+MLP is the same pair: fc_in by columns (GELU needs no communication), fc_out by rows.
+Per block that is two all-reduces in forward and two in backward, of activations, not
+weights: cheap inside a node over NVLink, too chatty across nodes. The embeddings are
+split by rows (vocabulary, positions) and the head by columns; the logits stay split
+over the vocabulary, and loss_parallel computes the cross entropy from the shards.
 
 --sequence-parallel also splits the sequence outside the matmuls: norms and residual
 stream hold T/tp tokens per rank, and each all-reduce becomes a reduce-scatter plus an
@@ -63,7 +63,7 @@ def tensor_parallel(model, tp_mesh, sequence_parallel, float8):
         common.log("note: gloo cannot all-gather float8, so activations travel in their own dtype here (on NCCL in float8)")
     elif float8 == "tensorwise":
         # torchao's styles cast a block input to float8 before gathering it (with SP): the
-        # all-gather then moves 1 byte per element, and q, k, v share the one cast.
+        # all-gather then moves 1 byte per element.
         from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
         colwise, rowwise, prepare_input = Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
@@ -71,11 +71,9 @@ def tensor_parallel(model, tp_mesh, sequence_parallel, float8):
         parallelize_module(block, tp_mesh, {
             "attn_norm": norm(),
             # One gather of the stream (with SP) feeds q, k and v; in backward their input
-            # gradients, partial sums, are reduced once here.
+            # gradient, a partial sum, is reduced here.
             "attn": prepare_input(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
-            "attn.q": colwise(),
-            "attn.k": colwise(),
-            "attn.v": colwise(),
+            "attn.qkv": colwise(),  # its features grouped by head: each rank gets whole heads
             "attn.o": rowwise(output_layouts=stream),  # all-reduce, or reduce-scatter with SP
             "mlp_norm": norm(),
             "mlp": prepare_input(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),

@@ -110,7 +110,7 @@ def test_compile_compiles_every_block_in_place():
     cfg = common.PRESETS["tiny"]
     model = common.build_model(cfg, torch.device("cpu"), argparse.Namespace(**{**vars(ARGS), "compile": True}))
     assert all(block._compiled_call_impl is not None for block in model.blocks.values())
-    assert "blocks.0.attn.q.weight" in dict(model.named_parameters())  # names unchanged: checkpoints still match
+    assert "blocks.0.attn.qkv.weight" in dict(model.named_parameters())  # names unchanged: checkpoints still match
 
 
 def data_args(**overrides):
