@@ -1268,8 +1268,24 @@ class Checkpointer:
 
             # Its own group: collectives of two threads must not interleave on one.
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout))
+            class KeptStager(DefaultStager):
+                """One host copy of the state, reused by every save and released by us alone:
+                torch 2.11 closes the copier inside a stager once a save is written, which
+                leaves it unable to stage the next (KeyError in its deepcopy)."""
+
+                def __init__(self, options):
+                    super().__init__(options)
+                    self._state_dict_stager.close = lambda: None
+
+                def close(self):
+                    pass
+
+                def release(self):
+                    del self._state_dict_stager.close  # its class's own close again
+                    DefaultStager.close(self)
+
             cuda = any(p.is_cuda for p in model.parameters())
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=cuda, use_non_blocking_copy=cuda))
+            self.stager = KeptStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=cuda, use_non_blocking_copy=cuda))
             optimizer.register_step_pre_hook(self._wait_for_staging)  # the step would change what is being copied
 
     def _wait_for_staging(self, *_):
@@ -1375,7 +1391,7 @@ class Checkpointer:
             self.dcp.save(self._state(step), checkpoint_id=final + ".partial")
             self._commit(final, step, dist.group.WORLD)
             if self.every:
-                self.stager.close()  # its host copy of the state is not needed again
+                self.stager.release()  # its host copy of the state is not needed again
         else:
             response = self.dcp.async_save(self._state(step), checkpoint_id=final + ".partial", process_group=self.group,
                                            async_stager=self.stager)
