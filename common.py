@@ -368,6 +368,11 @@ def _leave_process_group(worker_id):
     # leave that group: the trainer stops them when it exits, and if the trainer dies they
     # see their parent gone within seconds (DataLoader's own watchdog) and exit.
     os.setpgid(0, 0)
+    # A worker handing a batch over (multiprocessing's resource sharer, a thread) as its
+    # trainer exits would print the broken handshake's traceback under the trainer's one
+    # line; errors of the worker's own work reach the trainer by another way.
+    excepthook = sys.excepthook
+    sys.excepthook = lambda kind, e, tb: None if issubclass(kind, (ConnectionError, EOFError)) else excepthook(kind, e, tb)
 
 
 def make_batches(args, cfg, device, batch_size, dp_rank=0, dp_size=1, start_step=0):
