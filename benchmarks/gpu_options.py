@@ -34,7 +34,7 @@ SCRIPTS = {"ddp": "ddp_train.py", "fsdp": "fsdp_train.py", "tensor_parallel": "t
            "model_parallel": "model_parallel_train.py", "pipeline": "pipeline_train.py", "hybrid": "hybrid_train.py",
            "context_parallel": "context_parallel_train.py"}
 BASE = {"hybrid": ["--pp", "1"]}  # hybrid's default --pp 2 needs two ranks
-FP16_REFUSED = {"fsdp", "tensor_parallel", "model_parallel", "context_parallel"}  # they say why in one line
+FP16_REFUSED = {"fsdp", "tensor_parallel", "model_parallel", "pipeline", "hybrid", "context_parallel"}  # they say why in one line
 CHECKPOINT_STEPS = 100
 RESUME_RTOL = 1e-2  # bf16 keeps 8 bits of mantissa, and GPU kernels add up in no fixed order
 
@@ -116,7 +116,10 @@ def run_case(strategy, options, args, name, steps, sigterm_after=None, checkpoin
         return f"FAIL: exit {code}", seconds, record
     if record is None:
         return "FAIL: no results line", seconds, None
-    if not all(np.isfinite(record["losses"])):
+    if len(record["losses"]) != steps - record["start_step"]:
+        return f"FAIL: {len(record['losses'])} losses for {steps - record['start_step']} steps", seconds, record
+    # A simulated rank computes on buffers no peer filled: its losses mean nothing (NaN too).
+    if record["simulated_rank"] is None and not all(np.isfinite(record["losses"])):
         return "FAIL: a loss is not finite", seconds, record
     return "pass", seconds, record
 
