@@ -107,7 +107,9 @@ class Attention(nn.Module):
     def forward(self, x):
         B, T, _ = x.shape
         # -1 heads, not n_heads: under tensor parallelism a rank holds n_heads / tp of them.
-        q, k, v = self.qkv(x).view(B, T, -1, 3, self.head_dim).transpose(1, 2).unbind(3)
+        # Split before the transpose: backward then joins the three gradients straight into
+        # qkv's layout in one copy (unbind, or a transpose first, costs a second copy).
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(B, T, -1, 3 * self.head_dim).split(self.head_dim, dim=-1))
         y = self.attention(q, k, v)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
