@@ -3,6 +3,7 @@ results line: this file holds the map from each option to the tests that observe
 effect (collectives, placements, schedule, memory, files), and fails when a script gains
 an option the map does not name, or names a test that does not exist."""
 
+import argparse
 import ast
 import importlib
 import json
@@ -151,12 +152,17 @@ def test_profile_and_tensorboard_write_their_files(tmp_path):
     assert [line.split("|")[0].split()[1] for line in proc.stdout.splitlines() if line.startswith("step ")] == ["4/7", "7/7"]
 
 
-def test_the_gpu_matrix_runs_every_option_of_every_script_or_says_why_not(monkeypatch):
-    """benchmarks/gpu_options.py is the GPU's check of the options: a script's new option
-    must become one of its cases, or say why one GPU has nothing to show of it."""
+def _gpu_options():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import gpu_options
 
+    return gpu_options
+
+
+def test_the_gpu_matrix_runs_every_option_of_every_script_or_says_why_not(monkeypatch):
+    """benchmarks/gpu_options.py is the GPU's check of the options: a script's new option
+    must become one of its cases, or say why one GPU has nothing to show of it."""
+    gpu_options = _gpu_options()
     accounted = set(gpu_options.NOT_HERE) | set(gpu_options.ALWAYS)
     unrun = []
     for strategy, script in gpu_options.SCRIPTS.items():
@@ -165,3 +171,26 @@ def test_the_gpu_matrix_runs_every_option_of_every_script_or_says_why_not(monkey
             unrun += [f"{script} {o}" for o in action.option_strings if o.startswith("--") and o not in named | accounted]
     assert sorted(gpu_options.SCRIPTS.values()) == sorted(SCRIPTS)
     assert not unrun, f"options the GPU matrix neither runs nor explains: {unrun}"
+
+
+def test_the_gpu_matrix_checkpoint_case_passes_a_run_stopped_by_sigterm_and_its_resume(tmp_path):
+    """The matrix's own check on the CPU: SIGTERM after step 3 saves and exits 0 (a run cut
+    short, not a failure), and the resume goes on as the uninterrupted run."""
+    gpu_options = _gpu_options()
+    args = argparse.Namespace(out=str(tmp_path), model="tiny", data=None)
+    (tmp_path / "logs").mkdir()
+    rows = gpu_options.checkpoint_case("ddp", args)
+    assert [row[2] for row in rows] == ["pass"] * 3, rows
+
+
+def test_the_gpu_matrix_starts_from_an_empty_out_folder(tmp_path):
+    """A second matrix into the same --out: the first one's checkpoints must not make its
+    cases resume with nothing to train, nor its outcomes run on into the new ones."""
+    gpu_options = _gpu_options()
+    stale = tmp_path / "cases" / "ddp---checkpoint-every-3" / "checkpoints" / "step_00000008"
+    stale.mkdir(parents=True)
+    (tmp_path / "outcomes.jsonl").write_text('["ddp", "(defaults)", "pass", 1.0]\n')
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "old.log").write_text("old")
+    gpu_options.fresh_out(str(tmp_path))
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["logs"]
