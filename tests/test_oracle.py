@@ -59,14 +59,16 @@ CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ scales by max_norm / (norm + 1
 
 # Both sides compute in fp32 on CPU and differ only in the order of floating-point
 # operations (torch.optim's AdamW against the loop below, F.cross_entropy against
-# logsumexp): measured, 5e-7 in a loss and 7e-7 relative in a gradient norm. The
-# project's parity tolerance, 1e-5, stays well above that and well below what a bug
-# in the shared code does: each one planted moved a loss by 1e-4 or more, or a
-# gradient norm by 2e-3 relative or more. Gradient norms are compared as well because
+# logsumexp): measured, 5e-7 in a loss and, relative in a gradient norm, 7e-7 on an
+# Intel CPU and 1.4e-5 on an AMD EPYC (MKL's kernels differ by CPU, and the difference
+# grows with the steps). The tolerances, 1e-5 in a loss (the project's parity
+# tolerance) and 1e-4 in a norm, stay above that and well below what a bug in the
+# shared code does: each one planted moved a loss by 1e-4 or more, or a gradient norm
+# by 2e-3 relative or more. Gradient norms are compared as well because
 # clipping and Adam hardly see a gradient's scale: gradients twice too large from
 # accumulation left every loss within 5e-7 and doubled every norm.
 LOSS_ATOL = PARITY_ATOL
-GRAD_NORM_RTOL = 1e-5
+GRAD_NORM_RTOL = 1e-4
 
 
 def learning_rate(step):
