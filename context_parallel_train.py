@@ -189,6 +189,7 @@ def main():
     cp_rank, dp_rank = mesh["cp"].get_local_rank(), mesh["dp"].get_local_rank()
     common.log(f"mesh dp {dp} x cp {cp}; rank 0's ring: ranks {mesh['cp'].mesh.tolist()}; {args.seq_len // cp} tokens of each sequence per rank")
     model = common.build_model(cfg, env.device, args, fsdp=True)
+    loss_fn = common.make_loss_fn(args)
     if cp > 1 and args.cp_impl == "ring":
         ring = Ring(mesh["cp"].get_group())
         for block in model.blocks.values():
@@ -224,10 +225,10 @@ def main():
                 else:
                     x, y, positions, sharded = local_part(x, 1, cp_rank, cp), local_part(y, 1, cp_rank, cp), local_part(positions, 0, cp_rank, cp), nullcontext()
                 with sharded:
-                    micro_loss = common.loss_fn(model(x, positions), y) / args.grad_accum
+                    micro_loss = loss_fn(model(x, positions), y) / args.grad_accum
                     micro_loss.backward()
                 loss += micro_loss.detach()
-            grad_norm = common.clip_grad_norm_(model.parameters(), args.grad_clip)
+            grad_norm = common.clip_grad_norm_(optimizer, args.grad_clip)
             optimizer.step()
             common.precompute_float8_scales(model)
             optimizer.zero_grad(set_to_none=True)

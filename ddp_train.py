@@ -69,17 +69,17 @@ def register_comm_hook(model, args):
         model.register_comm_hook(state, powersgd_bucket_by_bucket if gloo else powerSGD_hook.powerSGD_hook)
 
 
-def forward_backward(model, x, y, args, device, scaler, sync=True):
+def forward_backward(model, loss_fn, x, y, args, device, scaler, sync=True):
     """One micro-step. Forward AND backward sit under no_sync(): DDP decides during the
     forward pass whether the coming backward all-reduces."""
     with nullcontext() if sync else model.no_sync():
         with common.autocast(args, device):
-            loss = common.loss_fn(model(x), y) / args.grad_accum
+            loss = loss_fn(model(x), y) / args.grad_accum
         scaler.scale(loss).backward()
     return loss.detach()
 
 
-def measure_communication(model, batches, args, env, scaler, n=3):
+def measure_communication(model, loss_fn, batches, args, env, scaler, n=3):
     """Exposed communication, measured in this run instead of read off a profiler by hand:
     n forward+backward passes with DDP's all-reduce against n under no_sync() (compute
     only), both one synchronised micro-step's worth. The difference is the communication
@@ -97,7 +97,7 @@ def measure_communication(model, batches, args, env, scaler, n=3):
 
     def step(sync):
         x, y = next(batches)
-        forward_backward(model, x, y, args, env.device, scaler, sync)
+        forward_backward(model, loss_fn, x, y, args, env.device, scaler, sync)
         model.zero_grad(set_to_none=True)
 
     synced = timed(lambda: step(True))
@@ -133,6 +133,7 @@ def main():
 
     # Every rank builds the same full model from the same seed.
     raw_model = common.build_model(cfg, env.device, args)
+    loss_fn = common.make_loss_fn(args)
     model = raw_model
     if env.world_size > 1:
         model = DDP(raw_model, device_ids=[env.local_rank] if env.device.type == "cuda" else None, gradient_as_bucket_view=True)
@@ -158,9 +159,9 @@ def main():
                 x, y = next(batches)
                 # Only the last micro-step all-reduces: accumulation saves communication.
                 last = micro == args.grad_accum - 1
-                loss += forward_backward(model, x, y, args, env.device, scaler, sync=last or env.world_size == 1)
+                loss += forward_backward(model, loss_fn, x, y, args, env.device, scaler, sync=last or env.world_size == 1)
             scaler.unscale_(optimizer)
-            grad_norm = common.clip_grad_norm_(model.parameters(), args.grad_clip)
+            grad_norm = common.clip_grad_norm_(optimizer, args.grad_clip)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
@@ -173,7 +174,7 @@ def main():
 
     extra = {}
     if env.world_size > 1 and not stop and not args.simulate:  # after a SIGTERM, the time left is the scheduler's
-        comm_pct, bus_gbps, comm_seconds = measure_communication(model, batches, args, env, scaler)
+        comm_pct, bus_gbps, comm_seconds = measure_communication(model, loss_fn, batches, args, env, scaler)
         nominal = nvlink_gbps(env.device)
         common.log(f"exposed communication {comm_pct:.1f}% of a step; all-reduce bus bandwidth {bus_gbps:.1f} GB/s "
                    f"(nominal NVLink per direction: {'unknown' if nominal is None else f'{nominal} GB/s'})")

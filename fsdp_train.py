@@ -77,6 +77,7 @@ def main():
     # Every rank builds the same full model, then keeps only its shards: the weights equal
     # the single-process run's.
     model = common.build_model(cfg, env.device, args, fsdp=True)
+    loss_fn = common.make_loss_fn(args)
     mesh = common.make_mesh(env, dp=env.world_size)
     # bf16: FSDP casts the gathered parameters and each unit's input to bf16, so every
     # matmul runs in bf16 without autocast (the residual stream too, unlike autocast);
@@ -111,10 +112,10 @@ def main():
                 x, y = next(batches)
                 # Every micro-step reduce-scatters: skipping it (set_requires_gradient_sync) would
                 # keep the whole unsharded gradient on every rank, the memory FSDP is here to save.
-                micro_loss = common.loss_fn(model(x), y) / args.grad_accum
+                micro_loss = loss_fn(model(x), y) / args.grad_accum
                 micro_loss.backward()
                 loss += micro_loss.detach()
-            grad_norm = common.clip_grad_norm_(model.parameters(), args.grad_clip)
+            grad_norm = common.clip_grad_norm_(optimizer, args.grad_clip)
             optimizer.step()
             common.precompute_float8_scales(model)
             grad_bytes = local_bytes(p.grad for p in model.parameters())

@@ -95,13 +95,13 @@ def main():
     shapes = [common.stage_shapes(args, cfg, s, n_stages, batch_per_call // args.micro_batches, env.device, stream) for s in stage_ids]
     stages = [PipelineStage(w, s, n_stages, env.device, group=mesh["pp"].get_group(), **shape) for w, s, shape in zip(wrapped, stage_ids, shapes)]
     micro_batches_per_step = args.micro_batches * args.grad_accum
-    schedule = common.make_schedule(args, stages, args.micro_batches, lambda out, y: common.loss_fn(out, y) / micro_batches_per_step)
+    loss_fn = common.make_loss_fn(args)
+    schedule = common.make_schedule(args, stages, args.micro_batches, lambda out, y: loss_fn(out, y) / micro_batches_per_step)
     has_first, has_last = 0 in stage_ids, n_stages - 1 in stage_ids
     # FSDP's mixed-precision policy already computes in bf16; DDP needs autocast for it.
     autocast = common.autocast(args, env.device) if args.dp_wrapper == "ddp" else nullcontext()
 
-    params = [p for m in modules for p in m.parameters()]
-    optimizer = common.make_optimizer(params, args, env.device)
+    optimizer = common.make_optimizer((p for m in modules for p in m.parameters()), args, env.device)
     merged = common.merged_stages(modules)
     ckpt = common.Checkpointer(args, cfg, merged, optimizer)
     start_step = ckpt.load()
@@ -124,7 +124,7 @@ def main():
                     schedule.step(*inputs, **targets)
                 losses += step_losses
             # The norm over every stage (pp) of the whole model (FSDP shards reduce over dp).
-            grad_norm = common.clip_grad_norm_(params, args.grad_clip, group=mesh["pp"].get_group())
+            grad_norm = common.clip_grad_norm_(optimizer, args.grad_clip, group=mesh["pp"].get_group())
             optimizer.step()
             common.precompute_float8_scales(merged)
             optimizer.zero_grad(set_to_none=True)

@@ -62,6 +62,7 @@ def main():
     first, last = env.rank == 0, env.rank == env.world_size - 1
 
     model = common.build_model(cfg, env.device, args, layers, embed=first, head=last)
+    loss_fn = common.make_loss_fn(args)
     optimizer = common.make_optimizer(model.parameters(), args, env.device)
     ckpt = common.Checkpointer(args, cfg, model, optimizer)
     start_step = ckpt.load()
@@ -93,7 +94,7 @@ def main():
                 with common.autocast(args, env.device):
                     out = forward(inputs)
                     if last:
-                        loss = common.loss_fn(out, y) / args.grad_accum
+                        loss = loss_fn(out, y) / args.grad_accum
                 # Backward: from the loss, or from the gradient the next rank sends back.
                 if last:
                     backward(loss)
@@ -105,7 +106,7 @@ def main():
                     backward(out, grad)
                 if not first:
                     dist.send(inputs.grad, env.rank - 1)
-            grad_norm = common.clip_grad_norm_(model.parameters(), args.grad_clip, group=dist.group.WORLD)
+            grad_norm = common.clip_grad_norm_(optimizer, args.grad_clip, group=dist.group.WORLD)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             stop = tlog.end_step(step, loss_sum, grad_norm, lr)  # only the last rank's loss is non-zero

@@ -46,11 +46,11 @@ def main():
     # Each micro-batch's loss is divided by every micro-batch of the step, so the summed
     # gradients are the global-batch mean (the schedule itself must not divide again).
     micro_batches_per_step = args.micro_batches * args.grad_accum
-    schedule = common.make_schedule(args, stages, args.micro_batches, lambda out, y: common.loss_fn(out, y) / micro_batches_per_step)
+    loss_fn = common.make_loss_fn(args)
+    schedule = common.make_schedule(args, stages, args.micro_batches, lambda out, y: loss_fn(out, y) / micro_batches_per_step)
     has_first, has_last = 0 in stage_ids, n_stages - 1 in stage_ids
 
-    params = [p for m in modules for p in m.parameters()]
-    optimizer = common.make_optimizer(params, args, env.device)
+    optimizer = common.make_optimizer((p for m in modules for p in m.parameters()), args, env.device)
     ckpt = common.Checkpointer(args, cfg, common.merged_stages(modules), optimizer)
     start_step = ckpt.load()
     if start_step >= args.steps:
@@ -73,7 +73,7 @@ def main():
                     schedule.step(*inputs, **targets)
                 losses += step_losses
             # Clip by the norm over all stages, not each stage's own.
-            grad_norm = common.clip_grad_norm_(params, args.grad_clip, group=dist.group.WORLD)
+            grad_norm = common.clip_grad_norm_(optimizer, args.grad_clip, group=dist.group.WORLD)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             # The loss lives on the last stage; the all-reduce in end_step brings it to rank 0.

@@ -107,6 +107,7 @@ def main():
     mesh = common.make_mesh(env, dp=args.dp, tp=tp)
     common.log(f"mesh dp {args.dp} x tp {tp}; rank 0's tensor-parallel group: ranks {mesh['tp'].mesh.tolist()}")
     model = common.build_model(cfg, env.device, args, fsdp=args.dp > 1)  # whole, then split: weights equal the single process's
+    loss_fn = common.make_loss_fn(args)
     tensor_parallel(model, mesh["tp"], args.sequence_parallel, args.float8)
     # FSDP over dp, per block and at the root, with bf16 mixed precision as in fsdp_train.py
     # (weights and unit inputs cast to bf16, gradients reduced and stepped in fp32). At
@@ -141,10 +142,10 @@ def main():
                 with loss_parallel():  # cross entropy over vocabulary shards, forward and backward
                     with autocast:
                         logits = model(x)
-                    micro_loss = common.loss_fn(logits, y) / args.grad_accum
+                    micro_loss = loss_fn(logits, y) / args.grad_accum
                     micro_loss.backward()
                 loss += micro_loss.detach().to_local()  # a replicated DTensor: the same on every tp rank
-            grad_norm = common.clip_grad_norm_(model.parameters(), args.grad_clip)
+            grad_norm = common.clip_grad_norm_(optimizer, args.grad_clip)
             optimizer.step()
             common.precompute_float8_scales(model)
             optimizer.zero_grad(set_to_none=True)

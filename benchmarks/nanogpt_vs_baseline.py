@@ -10,7 +10,7 @@ Three runs per mode (eager; compiled):
   head, fused AdamW from configure_optimizers, bf16 autocast, clip 1.0, TF32 on; compiled
   as one torch.compile of the whole model);
 - ours: common.GPT in the same loop, with ddp_train.py's pieces (build_model, which
-  compiles each block, make_optimizer, loss_fn, clip_grad_norm_);
+  compiles each block, make_optimizer, make_loss_fn, clip_grad_norm_);
 - ddp_train.py itself at world size 1 (its DataLoader and bookkeeping included).
 Each runs in its own process on random tokens: --warmup steps, then --steps timed, then
 3 profiled. Writes compare.md (the table and the kernels whose time differs most) and
@@ -63,12 +63,13 @@ def baseline_step(args, cfg, device):
     script_args = Namespace(seed=0, float8=None, activation_checkpointing=False, compile=args.compile, lr=cfg.lr, weight_decay=0.1)
     model = common.build_model(cfg, device, script_args)
     optimizer = common.make_optimizer(model.parameters(), script_args, device)
+    loss_fn = common.make_loss_fn(script_args)
 
     def step(x, y):
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = common.loss_fn(model(x), y)
+            loss = loss_fn(model(x), y)
         loss.backward()
-        common.clip_grad_norm_(model.parameters(), 1.0)
+        common.clip_grad_norm_(optimizer, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

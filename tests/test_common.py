@@ -113,6 +113,38 @@ def test_compile_compiles_every_block_in_place():
     assert "blocks.0.attn.qkv.weight" in dict(model.named_parameters())  # names unchanged: checkpoints still match
 
 
+def test_compile_compiles_the_loss_too(monkeypatch):
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compiled.append(fn) or fn)
+    assert common.make_loss_fn(ARGS) is common.loss_fn and not compiled
+    common.make_loss_fn(argparse.Namespace(**{**vars(ARGS), "compile": True}))
+    assert compiled == [common.loss_fn]
+
+
+@pytest.mark.parametrize("fp16_scaler", [False, True])
+def test_the_fused_step_applies_the_clip(fp16_scaler):
+    """clip_grad_norm_ hands its factor to the fused AdamW step (fp16's GradScaler
+    multiplies its own unscaling in): the update is torch's clip, then an unclipped step."""
+    torch.manual_seed(0)
+    model, ref = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
+    ref.load_state_dict(model.state_dict())
+    args = argparse.Namespace(lr=1e-2, weight_decay=0.1)
+    optimizer, ref_optimizer = (common.make_optimizer(m.parameters(), args, torch.device("cpu")) for m in (model, ref))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=fp16_scaler)
+    for size in (5.0, 0.01, 5.0):  # norms far above 0.5, then below it (no clip)
+        grads = [size * torch.randn_like(p) for p in model.parameters()]
+        for p, q, g in zip(model.parameters(), ref.parameters(), grads):
+            p.grad, q.grad = scaler.scale(g.clone()), g.clone()
+        scaler.unscale_(optimizer)
+        norm = common.clip_grad_norm_(optimizer, 0.5)
+        scaler.step(optimizer)
+        scaler.update()
+        assert torch.allclose(norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))
+        ref_optimizer.step()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
 def data_args(**overrides):
     return argparse.Namespace(**{"data": None, "seq_len": 16, "seed": 0, "global_batch_size": 4, "num_workers": 0, **overrides})
 

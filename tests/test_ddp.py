@@ -1,9 +1,13 @@
 """DDP must compute the same training run as one process on the same global batch."""
 
 import math
+import subprocess
+import sys
 
 import pytest
-from harness import PARITY_ATOL, assert_losses_match, checkpointed, comm, launch, loss_diffs, param_bytes, reference
+from harness import PARITY_ATOL, ROOT, TINY, assert_losses_match, checkpointed, comm, launch, loss_diffs, param_bytes, reference
+
+import common
 
 REQUIRED_FIELDS = {
     "strategy": str, "world_size": int, "device": str, "gpu_name": type(None), "model": str, "params": int,
@@ -65,3 +69,28 @@ def test_results_line_has_every_field():
     assert record["samples_per_sec"] > 0 and record["tokens_per_sec"] == pytest.approx(record["samples_per_sec"] * record["seq_len"])
     assert 0 <= record["comm_pct"] <= 100 and record["peak_mem_gib"] > 0
     assert record["config"]["global_batch_size"] == 8
+
+
+# ddp_train.py under a torch.compile that records what it is given and compiles nothing.
+RECORD_COMPILES = """
+import runpy, sys, torch
+compiled = []
+def record(fn, *args, **kwargs):
+    compiled.append(type(fn.__self__).__name__ if hasattr(fn, "__self__") else fn.__name__)
+    return fn
+torch.compile = record
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:
+    print("compiled:", ",".join(compiled))
+"""
+
+
+def test_compile_sends_every_block_and_the_loss_through_torch_compile():
+    cfg = common.PRESETS["tiny"]
+    proc = subprocess.run([sys.executable, "-c", RECORD_COMPILES, "ddp_train.py", *TINY, "--steps", "2", "--compile"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    compiled = proc.stdout.split("compiled:")[-1].split()[0].split(",")
+    assert sorted(compiled) == sorted(["Block"] * cfg.n_layers + ["loss_fn"]), compiled
