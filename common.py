@@ -285,7 +285,7 @@ def loss_fn(logits, targets):
 def make_loss_fn(args):
     """loss_fn as the step calls it: compiled too under --compile. Eager, forward and
     backward each pass over a (tokens x vocabulary) fp32 tensor several times; compiled,
-    once each way over the bf16 logits, in fused kernels."""
+    those passes are fused into a few kernels."""
     return torch.compile(loss_fn) if args.compile else loss_fn
 
 
@@ -753,7 +753,7 @@ def refuse_fp16(args, why):
 # ----------------------------------------------------------------------------
 
 
-def make_optimizer(params, args, device):
+def make_optimizer(params, args):
     """AdamW with decay on matrices only (not norms), fused into one kernel (CPU and CUDA
     alike, so the tests run the GPU's update and its clipping, see clip_grad_norm_)."""
     params = list(params)

@@ -200,7 +200,7 @@ def main():
         fully_shard(block, mesh=shard_mesh, mp_policy=precision)
     fully_shard(model, mesh=shard_mesh, mp_policy=precision)
 
-    optimizer = common.make_optimizer(model.parameters(), args, env.device)
+    optimizer = common.make_optimizer(model.parameters(), args)
     ckpt = common.Checkpointer(args, cfg, model, optimizer)
     start_step = ckpt.load()
     if start_step >= args.steps:

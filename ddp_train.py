@@ -139,7 +139,7 @@ def main():
         model = DDP(raw_model, device_ids=[env.local_rank] if env.device.type == "cuda" else None, gradient_as_bucket_view=True)
         register_comm_hook(model, args)
 
-    optimizer = common.make_optimizer(model.parameters(), args, env.device)
+    optimizer = common.make_optimizer(model.parameters(), args)
     scaler = torch.amp.GradScaler(env.device.type, enabled=args.dtype == "fp16")  # a no-op unless fp16
     ckpt = common.Checkpointer(args, cfg, raw_model, optimizer, scaler if scaler.is_enabled() else None)
     start_step = ckpt.load()

@@ -93,7 +93,7 @@ def main():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(env.device)
 
-    optimizer = common.make_optimizer(model.parameters(), args, torch.device("cpu") if args.cpu_offload else env.device)
+    optimizer = common.make_optimizer(model.parameters(), args)
     ckpt = common.Checkpointer(args, cfg, model, optimizer)
     start_step = ckpt.load()
     if start_step >= args.steps:

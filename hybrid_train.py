@@ -101,7 +101,7 @@ def main():
     # FSDP's mixed-precision policy already computes in bf16; DDP needs autocast for it.
     autocast = common.autocast(args, env.device) if args.dp_wrapper == "ddp" else nullcontext()
 
-    optimizer = common.make_optimizer((p for m in modules for p in m.parameters()), args, env.device)
+    optimizer = common.make_optimizer((p for m in modules for p in m.parameters()), args)
     merged = common.merged_stages(modules)
     ckpt = common.Checkpointer(args, cfg, merged, optimizer)
     start_step = ckpt.load()

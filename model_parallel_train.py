@@ -63,7 +63,7 @@ def main():
 
     model = common.build_model(cfg, env.device, args, layers, embed=first, head=last)
     loss_fn = common.make_loss_fn(args)
-    optimizer = common.make_optimizer(model.parameters(), args, env.device)
+    optimizer = common.make_optimizer(model.parameters(), args)
     ckpt = common.Checkpointer(args, cfg, model, optimizer)
     start_step = ckpt.load()
     if start_step >= args.steps:

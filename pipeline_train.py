@@ -50,7 +50,7 @@ def main():
     schedule = common.make_schedule(args, stages, args.micro_batches, lambda out, y: loss_fn(out, y) / micro_batches_per_step)
     has_first, has_last = 0 in stage_ids, n_stages - 1 in stage_ids
 
-    optimizer = common.make_optimizer((p for m in modules for p in m.parameters()), args, env.device)
+    optimizer = common.make_optimizer((p for m in modules for p in m.parameters()), args)
     ckpt = common.Checkpointer(args, cfg, common.merged_stages(modules), optimizer)
     start_step = ckpt.load()
     if start_step >= args.steps:

@@ -121,7 +121,7 @@ def main():
         fully_shard(model, mesh=mesh["dp"], mp_policy=precision)
     autocast = common.autocast(args, env.device) if args.dp == 1 else nullcontext()
 
-    optimizer = common.make_optimizer(model.parameters(), args, env.device)
+    optimizer = common.make_optimizer(model.parameters(), args)
     ckpt = common.Checkpointer(args, cfg, model, optimizer)
     start_step = ckpt.load()
     if start_step >= args.steps:

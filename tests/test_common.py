@@ -129,7 +129,7 @@ def test_the_fused_step_applies_the_clip(fp16_scaler):
     model, ref = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
     ref.load_state_dict(model.state_dict())
     args = argparse.Namespace(lr=1e-2, weight_decay=0.1)
-    optimizer, ref_optimizer = (common.make_optimizer(m.parameters(), args, torch.device("cpu")) for m in (model, ref))
+    optimizer, ref_optimizer = (common.make_optimizer(m.parameters(), args) for m in (model, ref))
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=fp16_scaler)
     for size in (5.0, 0.01, 5.0):  # norms far above 0.5, then below it (no clip)
         grads = [size * torch.randn_like(p) for p in model.parameters()]
