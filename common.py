@@ -473,7 +473,7 @@ def base_parser(doc):
     g.add_argument("--seed", type=number(int, 0, 2**32 - 1, accepted="a whole number from 0 to 4294967295"), default=0, help="seed for weights and data (default: 0)")
     g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="compute dtype under autocast; weights and optimizer stay fp32 (default: bf16 on GPUs that have it, else fp32)")
     g.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward instead of storing its activations")
-    g.add_argument("--compile", action="store_true", help="torch.compile each Transformer block and the loss")
+    g.add_argument("--compile", action="store_true", help="torch.compile each Transformer block and the loss (tensor parallel: the blocks only, see README)")
     g.add_argument("--float8", choices=["tensorwise", "rowwise"],
                    help="run the blocks' matmuls in float8 through torchao, scaled per tensor or per row (Hopper or newer; pays with "
                         "--compile on large matmuls, see README); the head stays in --dtype")
