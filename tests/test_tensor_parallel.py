@@ -47,7 +47,6 @@ def test_tensor_parallel_matches_single_process(case):
         assert comm(run, "reduce_scatter")[0] == comm(run, "all_gather")[0] == 0
 
 
-
 def test_compiled_tensor_parallel_matches_the_eager_single_process_run_after_run(tmp_path):
     # The blocks compiled on DTensor weights, a path no other CPU test takes, against the
     # eager reference (inductor on CPU fp32 differs from eager by ~5e-7). Twice, on one
