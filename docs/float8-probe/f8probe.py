@@ -20,8 +20,10 @@ variants last.
 
 env: ONLY (variants, in order), PROFILE (variants whose last 3 steps get a CUDA kernel
 table), STEPS (12), MODEL (2.5b), DEV (cuda), BATCH (8), MICRO (1: first time the fc_in
-gradient's cast alone, fused and split, and write the fused kernel to $OUT/micro_code.txt);
+gradient's cast alone, fused, split and under the knobs above, and write each one's kernels
+to $OUT/micro_code.txt);
 appends to $OUT/probe.txt."""
+import functools
 import os
 import statistics
 import sys
@@ -100,24 +102,20 @@ def cast_gradients_once():
     float8_linear.hp_tensor_to_float8_dynamic = cast_once
 
 
-_float8_transpose_op = []
-
-
+@functools.cache
 def _float8_transpose():
     """A custom op, so opaque to inductor, that transposes float8 bytes with a compiled kernel."""
-    if not _float8_transpose_op:
-        transpose_bytes = torch.compile(lambda x: x.t().clone(memory_format=torch.contiguous_format))
+    transpose_bytes = torch.compile(lambda x: x.t().clone(memory_format=torch.contiguous_format))
 
-        @torch.library.custom_op("distributed_strategies::float8_transpose", mutates_args=())
-        def float8_transpose(x: torch.Tensor) -> torch.Tensor:
-            return transpose_bytes(x.view(torch.uint8)).view(x.dtype)
+    @torch.library.custom_op("distributed_strategies::float8_transpose", mutates_args=())
+    def float8_transpose(x: torch.Tensor) -> torch.Tensor:
+        return transpose_bytes(x.view(torch.uint8)).view(x.dtype)
 
-        @float8_transpose.register_fake
-        def _(x):
-            return x.new_empty(x.shape[1], x.shape[0])
+    @float8_transpose.register_fake
+    def _(x):
+        return x.new_empty(x.shape[1], x.shape[0])
 
-        _float8_transpose_op.append(float8_transpose)
-    return _float8_transpose_op[0]
+    return float8_transpose
 
 
 def micro():
