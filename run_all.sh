@@ -235,14 +235,14 @@ for strategy in "${strategy_list[@]}"; do
         run_one "[$i/$total] $strategy x$n${args:+ $args}" "$out/logs/${strategy}_x$n.log" \
             "{\"strategy\": \"$strategy\", \"world_size\": $n, \"global_batch_size\": $batch}" \
             torchrun --standalone --nproc_per_node="$n" "${strategy}_train.py" --model "$model" --steps "$steps" \
-            --global-batch-size "$batch" --seq-len "$seq_len" "${device_args[@]}" "${compile_args[@]}" --results "$results" "${profile_args[@]}" $args
+            --global-batch-size "$batch" --seq-len "$seq_len" "${device_args[@]}" "${compile_args[@]}" --count-comm --results "$results" "${profile_args[@]}" $args
         [ -n "$float8" ] || continue
         # shellcheck disable=SC2086
         run_one "[$i/$total] $strategy x$n --float8 $float8${float8_args[*]:+ ${float8_args[*]}}${args:+ $args}" \
             "$out/logs/${strategy}_x${n}_float8.log" \
             "{\"strategy\": \"$strategy\", \"world_size\": $n, \"global_batch_size\": $batch, \"float8\": \"$float8\"}" \
             torchrun --standalone --nproc_per_node="$n" "${strategy}_train.py" --model "$model" --steps "$steps" \
-            --global-batch-size "$batch" --seq-len "$seq_len" "${device_args[@]}" "${float8_args[@]}" --float8 "$float8" --results "$results" $args
+            --global-batch-size "$batch" --seq-len "$seq_len" "${device_args[@]}" "${float8_args[@]}" --float8 "$float8" --count-comm --results "$results" $args
     done
     # Predicted rows: each distinct rank of an n-rank run, alone on this device (a plain
     # python process: --simulate makes its fake world of n itself).

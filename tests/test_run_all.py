@@ -201,6 +201,7 @@ def table_md_rows(path):
 def test_cpu_sweep_reports_what_the_runs_measured(tmp_path, monkeypatch):
     for name in ("run_all.sh", "sweep_report.py", "common.py", "ddp_train.py", "pipeline_train.py"):
         shutil.copy(ROOT / name, tmp_path)
+    shutil.copytree(ROOT / "options", tmp_path / "options")
     # A strategy that fails, after noting the threads each of its ranks was given.
     (tmp_path / "broken_train.py").write_text(
         "import json, os, sys\n"
