@@ -85,7 +85,7 @@ class StepHook:
     modules are StepHooks. Time spent in after_step is no step's."""
 
     untimed_steps = 0  # steps after --timing-warmup-steps that its work slows (the profiler's)
-    slows_last_step = False  # it instruments the last step: left out of throughput and peak memory
+    slows_last_step = False  # it instruments the last step: left out of throughput
 
     def before_step(self, step):
         pass
@@ -443,7 +443,7 @@ def base_parser(doc):
     g.add_argument("--simulate", type=number(int, 2, 4096, accepted="a number of ranks from 2 to 4096"), metavar="N", help="run as one rank of an "
                    "N-rank job on this device (a fake process group): its compute and memory real, its communication counted (README)")
     g.add_argument("--simulate-rank", type=non_negative, default=0, metavar="R", help="with --simulate: the rank to be (default: 0)")
-    g.add_argument("--count-comm", action="store_true", help="count the last step's collectives into the results line; it runs eager, untimed")
+    g.add_argument("--count-comm", action="store_true", help="count the last step's collectives into the results line (that step is not timed)")
     g = p.add_argument_group("output")
     g.add_argument("--log-every", type=positive, default=1, help="print a step line every N steps (default: 1)")
     g.add_argument("--timing-warmup-steps", type=non_negative, help="first steps left out of throughput; below --steps (default: 3 or fewer)")
@@ -608,8 +608,8 @@ def clip_grad_norm_(optimizer, max_norm, group=None):
     mesh, `group` over ranks holding other parts (pipeline stages). A fused optimizer divides
     by `optimizer.grad_scale` (GradScaler's hook) as it updates, sparing a pass over every
     gradient (2.5b: 10 GB); any other gets torch's clip_grads_with_norm_."""
-    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads).float()
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params]).float()
     if "torch.distributed.tensor" in sys.modules and isinstance(total, sys.modules["torch.distributed.tensor"].DTensor):
         total = total.full_tensor()  # (importing DTensor costs a second a process: only where one was made)
     if group is not None:
@@ -620,7 +620,7 @@ def clip_grad_norm_(optimizer, max_norm, group=None):
         # The same factor as clip_grads_with_norm_, max_norm / (total + 1e-6) when below 1, inverted.
         optimizer.grad_scale = torch.clamp((total + 1e-6) / max_norm, min=1.0)
     elif max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
 
 
@@ -920,9 +920,7 @@ class TrainLog:
             raise NonFiniteLoss(f"loss is {loss_value} at step {step + 1}; lower --lr, keep --grad-clip on, or use bf16 rather than fp16")
         self.losses.append(loss_value)
         self.grad_norms.append(grad_norm)
-        if step + 1 != self.counted_step or len(self.losses) == 1:
-            # Not the instrumented step's: compiled blocks run eager under a dispatch mode, with eager's memory.
-            self.peak_mem = peak_memory(self.env.device)
+        self.peak_mem = peak_memory(self.env.device)
         samples, mfu, (mem_gib, mem_pct) = self.args.global_batch_size / dt, self._mfu(dt), self.peak_mem
         if (step + 1) % self.args.log_every == 0 or step + 1 == self.args.steps:
             log(f"step {step + 1:>5}/{self.args.steps} | loss {loss_value:.4f} | grad norm {grad_norm:.3f} | lr {lr:.2e} | "

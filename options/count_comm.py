@@ -3,8 +3,8 @@ collective and transfer, by kind, group, dtype and bytes: the results line's
 comm_per_step. --simulate turns it on (a simulated rank's communication is counted, not
 sent); run_all.sh turns it on for every row (its report draws the bytes).
 
-TrainLog runs the CommCounter as a step hook; the last step runs eager under it (a
-Python dispatch mode) and is left out of throughput.
+TrainLog runs the CommCounter as a step hook, on the last step, which it leaves out of
+throughput.
 """
 
 import sys
@@ -66,6 +66,13 @@ class _Counting(TorchDispatchMode):
         super().__init__()
         self.totals = totals
 
+    @classmethod
+    def ignore_compile_internals(cls):
+        """Compiled blocks run compiled under it, their collectives still seen. A plain mode
+        makes dynamo skip a frame for good (pytorch#190286): a block first called under it
+        would never compile, and one called under it once would run eager from then on."""
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         dtensor = sys.modules.get("torch.distributed.tensor")
         if dtensor is not None and any(issubclass(t, dtensor.DTensor) for t in types):
@@ -89,8 +96,8 @@ class _Counting(TorchDispatchMode):
 
 class CommCounter(common.StepHook):
     """Counts the last step, from its start until its loss is agreed on (that all-reduce is
-    the step log's, not the strategy's). Costly per op, and compiled code runs eager under a
-    dispatch mode: one step only, left out of throughput and of peak memory."""
+    the step log's, not the strategy's). Costly per op outside compiled code: one step
+    only, left out of throughput."""
 
     slows_last_step = True
 

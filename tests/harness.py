@@ -221,14 +221,14 @@ def _forked(script, nproc, argv, env, stdout, stderr, timeout, torchrun):
     return code
 
 
-def run_script(script, nproc=1, args=(), env=None, timeout=120, torchrun=True, torchrun_args=(), forked=False):
-    """Run a script on CPU/gloo with the tiny model, as `torchrun --standalone
-    --nproc_per_node=N script.py ...` or, without torchrun, as a plain `python script.py`
-    (the world-of-one path); forked: its ranks forked from the test server (see above).
-    Returns (CompletedProcess, results records)."""
+def run_script(script, nproc=1, args=(), env=None, timeout=120, torchrun=True, torchrun_args=(), forked=False, base=TINY):
+    """Run a script (a path under the repository, or anywhere) on CPU/gloo with the tiny
+    model, as `torchrun --standalone --nproc_per_node=N script.py ...` or, without
+    torchrun, as a plain `python script.py` (the world-of-one path); forked: its ranks
+    forked from the test server (see above). Returns (CompletedProcess, results records)."""
     with tempfile.TemporaryDirectory() as tmp:
         results = os.path.join(tmp, "results.jsonl")
-        argv = [str(ROOT / script), *TINY, *map(str, args), "--results", results]
+        argv = [str(ROOT / script), *base, *map(str, args), "--results", results]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         if forked:
             assert not torchrun_args, "the test server has no torchrun options"
