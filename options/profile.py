@@ -8,6 +8,7 @@ steps it slows out of throughput.
 """
 
 import os
+import time
 
 import torch
 
@@ -34,9 +35,14 @@ class Profiler(common.StepHook):
         self.prof.start()
 
     def _write(self, prof):
-        # The profiler reports an error raised here only as a log line: keep it for after_step.
+        # The profiler reports an error here only as a log line, and its exporter one of
+        # moving the trace into place not even that: check the trace, keep what failed.
+        trace = os.path.join(self.folder, f"trace_rank{self.rank}.json")
         try:
-            prof.export_chrome_trace(os.path.join(self.folder, f"trace_rank{self.rank}.json"))
+            started = time.time()
+            prof.export_chrome_trace(trace)
+            if not os.path.isfile(trace) or os.path.getmtime(trace) < started - 1:
+                raise OSError(f"{trace} was not written")
             table = prof.key_averages().table(sort_by=self.sort_by, row_limit=25)
             with open(os.path.join(self.folder, f"ops_rank{self.rank}.txt"), "w") as f:
                 f.write(table + "\n")
