@@ -262,16 +262,10 @@ def check_fits(cfg, device, layers=None, embed=True, head=True):
           "a smaller --model or --vocab-size, or a strategy that splits the model")
 
 
-def compile_blocks(model):
-    """torch.compile each block in place: names unchanged, every strategy wraps the same modules."""
-    for block in model.blocks.values():
-        block.compile()
-
-
-def build_model(cfg, device, args, layers=None, embed=True, head=True, fsdp=False, defer_compile=False):
+def build_model(cfg, device, args, layers=None, embed=True, head=True, fsdp=False):
     """(A slice of) the model, built on `device` with its --seed weights, --float8 (fsdp: the
-    caller shards it next), --activation-checkpointing and --compile (defer_compile: the
-    caller compiles the blocks once its own parallelism is on them)."""
+    caller shards it next), --activation-checkpointing and --compile: each block compiled in
+    place (names unchanged, every strategy wraps the same modules), traced at its first call."""
     check_fits(cfg, device, layers, embed, head)
     with torch.device(device):
         model = GPT(cfg, layers, embed, head)
@@ -279,8 +273,9 @@ def build_model(cfg, device, args, layers=None, embed=True, head=True, fsdp=Fals
     if args.float8:
         option("float8").convert(model, args, device, fsdp)
     model.activation_checkpointing = args.activation_checkpointing
-    if args.compile and not defer_compile:
-        compile_blocks(model)
+    if args.compile:
+        for block in model.blocks.values():
+            block.compile()
     return model
 
 

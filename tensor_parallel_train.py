@@ -106,15 +106,14 @@ def main():
 
     mesh = common.make_mesh(env, dp=args.dp, tp=tp)
     common.log(f"mesh dp {args.dp} x tp {tp}; rank 0's tensor-parallel group: ranks {mesh['tp'].mesh.tolist()}")
-    # Whole, then split: weights equal the single process's. Blocks compile once split (as torchtitan).
-    model = common.build_model(cfg, env.device, args, fsdp=args.dp > 1, defer_compile=True)
+    # Whole, then split: weights equal the single process's. Its blocks compile at their first
+    # call, so after tensor_parallel() splits them: torchtitan's order, parallelize then compile.
+    model = common.build_model(cfg, env.device, args, fsdp=args.dp > 1)
     # Eager even under --compile: loss_parallel bakes this rank's vocabulary offset into a
     # compiled loss, and torch's compile cache keys it without the rank (pytorch#188390),
     # so the next run would hand rank 0's loss to every rank: wrong losses, no error.
     loss_fn = common.loss_fn
     tensor_parallel(model, mesh["tp"], args.sequence_parallel, args.float8)
-    if args.compile:
-        common.compile_blocks(model)
     # FSDP over dp, per block and at the root, with bf16 mixed precision as in fsdp_train.py
     # (weights and unit inputs cast to bf16, gradients reduced and stepped in fp32). At
     # --dp 1 it would have nothing to shard and only add its casts and copies to each step
