@@ -59,6 +59,7 @@ def main():
     p.add_argument("--model", default="2.5b")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--global-batch-size", type=int, default=8)
+    p.add_argument("--variants", default="plain,sp", help="which of plain and sp (--sequence-parallel) to run (default: both)")
     p.add_argument("--gpu-busy", metavar="DIR", help="only print the GPU busy share of the trace in DIR")
     args = p.parse_args()
     if args.gpu_busy:
@@ -70,7 +71,7 @@ def main():
     base = ["--model", args.model, "--steps", str(args.steps), "--global-batch-size", str(args.global_batch_size), "--compile"]
     rows, records = [], {}
     records["ddp x1"] = run("ddp_x1", "ddp_train.py", base, args.out)
-    for sp in ([], ["--sequence-parallel"]):
+    for sp in [[] if v == "plain" else ["--sequence-parallel"] for v in args.variants.split(",")]:
         for tp in (1, 2, 4):
             name = f"tp {tp}{' sp' if sp else ''}"
             sim = [] if tp == 1 else ["--simulate", str(tp)]
