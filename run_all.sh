@@ -22,7 +22,7 @@
 #   --seq-len T            tokens per sample in every run (default: the preset's context length)
 #   --out DIR              results folder, new or empty (default: a new results/<date-time>-<random>)
 #   --simulate 2,4,8       also predict these GPU counts, each distinct rank run alone here on a fake process
-#                          group (default: the measured counts above 1 where there are several GPUs; none to stop)
+#                          group (default: the measured counts above 1, none on a one-GPU machine; none for none)
 #   --intra-gbps X         with --simulate: bus bandwidth per GPU inside a node (default: sweep_report.LINK_GBPS)
 #   --inter-gbps Y         with --simulate: bus bandwidth per GPU across nodes (default: sweep_report.LINK_GBPS)
 #   --gpus-per-node K      with --simulate: GPUs a node holds (default: 8)
@@ -44,9 +44,9 @@
 # runs the tiny model in 1-2 CPU processes on gloo, to show the whole flow in a few
 # minutes. Every run gets OMP_NUM_THREADS=1, whatever the environment says, so that all
 # rows compare alike. Ctrl-C or SIGTERM ends the sweep and the running row's processes
-# within seconds, and writes the table of what finished. Exit status: 0, 1 where a run
-# failed (other than running out of memory: that is a row's answer), 2 for a refused
-# option, 128 + the signal's number when interrupted.
+# within seconds, and writes the table of what finished. Exit status: 0; 1 where a row
+# failed (other than running out of memory: that is a row's answer) or the report left
+# a damaged line out; 2 for a refused option; 128 + the signal's number when interrupted.
 set -uo pipefail
 caller=$PWD
 cd "$(dirname "$0")" || exit 2
@@ -207,8 +207,13 @@ quoted=("${strategy_list[@]/#/\"}")
 spec="{\"model\": \"$model\", \"strategies\": $(json_list "${quoted[@]/%/\"}"), \"gpus\": $(json_list "${gpu_list[@]}"),
        \"simulate\": $(json_list "${sim_list[@]}"), \"batch\": $global_batch, \"strong\": $strong, \"device\": \"$device\",
        \"steps\": $steps, \"seq_len\": $seq_len, \"float8\": $([ -n "$float8" ] && echo "\"$float8\"" || echo null)}"
-planned=$(python3 sweep_report.py --plan "$spec" 2>&1) || refuse "${planned##*sweep_report.py: }"
+if ! planned=$(python3 sweep_report.py --plan "$spec" 2>&1); then
+    last=${planned##*$'\n'}
+    [[ $last = "sweep_report.py: "* ]] && refuse "${last#sweep_report.py: }" || refuse "python3 sweep_report.py cannot plan the sweep: $last"
+fi
 mapfile -t plan < <(grep -E $'^(run|skip)\t' <<< "$planned")
+! grep -qE $'^run\t[^\t]*\t[^\t]*\t(measured|float8)' <<< "$planned" || command -v torchrun > /dev/null \
+    || refuse "torchrun is not on PATH: it comes with torch (pip install torch), in the environment python3 runs"
 
 # A folder of its own for every sweep: mktemp makes a new one atomically, and an explicit
 # --out is claimed by creating its logs/, which fails if another sweep got there first.
@@ -238,7 +243,7 @@ export OMP_NUM_THREADS=1
 # after 3 s, and after a run it ends any rank that outlived its launcher.
 # Exit status: the command's, or 128 + the signal's number.
 read -r -d '' runner <<'EOF'
-import ctypes, os, signal, subprocess, sys, time
+import ctypes, os, select, signal, stat, subprocess, sys, time
 
 log, argv = sys.argv[1], sys.argv[2:]
 stop = []
@@ -279,6 +284,15 @@ def live(child):
     return alive
 
 
+def reader_left():
+    """Whether the sweep's output is a pipe whose reader has gone (`| head`)."""
+    if not stat.S_ISFIFO(os.fstat(1).st_mode):
+        return False
+    poll = select.poll()
+    poll.register(1, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
+
+
 def last_step(path):
     try:
         with open(path, "rb") as f:
@@ -291,8 +305,12 @@ def last_step(path):
 
 if stop:
     sys.exit(128 + stop[0])
-with open(log, "w") as out:
-    child = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+try:
+    with open(log, "w") as out:
+        child = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+except OSError as e:  # a log that cannot be written, a command that cannot start: the sweep's failure line says which
+    print(f"error: cannot run {argv[0]} into {log}: {e.strerror or e}", end=" ", flush=True)
+    sys.exit(127)
 start = time.monotonic()
 beat = start + 60
 while child.poll() is None and not stop:
@@ -300,7 +318,9 @@ while child.poll() is None and not stop:
         child.wait(timeout=0.5)  # returns as the run ends; a signal is seen within the half second
     except subprocess.TimeoutExpired:
         pass
-    if time.monotonic() >= beat:
+    if reader_left():
+        stop.append(signal.SIGPIPE)
+    elif time.monotonic() >= beat:
         beat += 60
         step = last_step(log)
         print(f"\n    still running after {time.monotonic() - start:.0f} s" + (f": {step}" if step else ""), end="", flush=True)
@@ -314,21 +334,24 @@ for signum, grace in ((signal.SIGINT, 3), (signal.SIGKILL, 5)) if stop else ((si
     deadline = time.monotonic() + grace
     while live(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-if beat > start + 60:
+if beat > start + 60 and not reader_left():
     print("\n   ", end="", flush=True)
 sys.exit(code)
 EOF
 
 # A signal from now on: the running row is ended (its runner ends its processes), the
 # sweep stops after it and reports what finished.
+# A reader that left (`| head`) ends it the same way; nothing more is written to it.
 interrupted='' row_pid=''
 on_signal() {
     interrupted=${interrupted:-$1}
     [ -z "$row_pid" ] || kill -TERM "$row_pid" 2>/dev/null
+    [ "$1" != SIGPIPE ] || exec > /dev/null
 }
 trap 'on_signal SIGINT' INT
 trap 'on_signal SIGTERM' TERM
 trap 'on_signal SIGHUP' HUP
+trap 'on_signal SIGPIPE' PIPE
 
 finished=() failed_rows=0 outcome=''
 # run_one LABEL NAME LOG FAILURE_FIELDS COMMAND...: one run, its outcome on one line and in
@@ -338,7 +361,7 @@ run_one() {
     local label=$1 name=$2 log=$3 fields=$4 start status seconds error
     shift 4
     [ -z "$interrupted" ] || { outcome=interrupted; return; }
-    printf '%s ... ' "$label"
+    printf '%s ... ' "$label" 2> /dev/null  # a reader that left: SIGPIPE says so, once
     start=$(date +%s)
     python3 -c "$runner" "$log" "$@" &
     row_pid=$!
@@ -349,6 +372,7 @@ run_one() {
         [ $status -gt 128 ] && kill -0 "$row_pid" 2>/dev/null || break  # wait returned for a signal: the runner still ends the run
     done
     row_pid='' seconds=$(( $(date +%s) - start ))
+    [ "$status" != 141 ] || on_signal SIGPIPE  # the runner saw the reader of this output leave
     if [ -n "$interrupted" ]; then
         echo "interrupted after $seconds s"
         outcome=interrupted
@@ -456,6 +480,7 @@ if [ -n "$interrupted" ]; then
 fi
 status=0
 if [ -s "$results" ] || [ -s "$failures" ] || [ -s "$out/simulated.jsonl" ]; then
+    trap '' INT  # the table of what finished is what an interruption keeps: a few seconds, not cut short
     python3 sweep_report.py "$out" "${link_args[@]}"
     status=$?
 fi
@@ -463,7 +488,7 @@ if [ "$failed_rows" != 0 ]; then
     echo "run_all.sh: $failed_rows of $rows rows failed (their lines above say why)" >&2
     status=1
 fi
-case $interrupted in SIGINT) status=130 ;; SIGTERM) status=143 ;; SIGHUP) status=129 ;; esac
+case $interrupted in SIGINT) status=130 ;; SIGTERM) status=143 ;; SIGHUP) status=129 ;; SIGPIPE) status=141 ;; esac
 if [ -z "$interrupted" ] && [ "$device" = cuda ] && [ "$n_gpus" = 1 ] && [ ${#sim_list[@]} = 0 ]; then
     echo "One GPU here: bash run_all.sh --simulate 2,4,8 predicts 2, 4 and 8 GPUs from it, each rank of those runs measured on this one (README, 'Predicting')."
 fi

@@ -832,6 +832,12 @@ def _pyplot():
     return plt
 
 
+def _legend(ax, **options):
+    """A legend where something is labelled (matplotlib warns of an empty one)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**options)
+
+
 def _missing_note(fig, missing):
     if missing:
         fig.text(0.01, -0.01, "missing (not drawn): " + "; ".join(f"{m['name']} {m['why']}" for m in missing)[:300],
@@ -875,7 +881,7 @@ def draw_speedup(plt, data, meta, path):
         axis.set_xticks(counts, [str(n) for n in counts])
         axis.set_xlabel("GPUs" if data["gpus"] else "processes (CPU, gloo)")
         axis.set_ylabel(ylabel)
-    ax.legend(fontsize=7, loc="upper left")
+    _legend(ax, fontsize=7, loc="upper left")
     _save(plt, fig, "Speedup and scaling efficiency", meta, data["missing"], path)
 
 
@@ -907,8 +913,7 @@ def draw_split(plt, data, meta, path):
     ax.set_yticks(y, [b["name"] for b in bars])
     ax.set_xlabel("time per optimizer step (ms)")
     ax.margins(x=0.25)
-    if drawn:
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    _legend(ax, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     _save(plt, fig, "Where a step's time goes (mean over ranks and timed steps)", meta, data["missing"], path)
 
 
@@ -918,7 +923,6 @@ def draw_loss(plt, data, meta, path):
     if base is not None:
         ax.plot(base["steps"], base["losses"], color="k", lw=3, alpha=0.35, label=f"{data['baseline']} (baseline)")
     markers = list(MARKERS.values()) + ["X", "*", "h"]
-    diffs = False
     for i, (name, curve) in enumerate((n, c) for n, c in data["curves"].items() if n != data["baseline"]):
         style = dict(marker=markers[i % len(markers)], ls=LINES[i % len(LINES)], color="k", ms=4, mfc="white")
         ax.plot(curve["steps"], curve["losses"], label=name + ("" if curve["same_data"] else " (larger batch)"), **style)
@@ -927,16 +931,14 @@ def draw_loss(plt, data, meta, path):
             pairs = [(s, abs(loss - by_step[s])) for s, loss in zip(curve["steps"], curve["losses"]) if s in by_step]
             if pairs:
                 ax_diff.plot(*zip(*[(s, max(d, 1e-9)) for s, d in pairs]), label=name, **style)
-                diffs = True
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (nats per token)")
-    ax.legend(fontsize=7)
+    _legend(ax, fontsize=7)
     ax_diff.set_yscale("log")
     ax_diff.set_xlabel("optimizer step")
     ax_diff.set_ylabel("|loss - baseline's loss| (nats, 1e-9 = equal)")
     ax_diff.set_title("same global batch as the baseline: the same run, so any drift is a bug (float8 rows: its rounding)", fontsize=8)
-    if diffs:
-        ax_diff.legend(fontsize=7)
+    _legend(ax_diff, fontsize=7)
     _save(plt, fig, "Loss of every run over the baseline's", meta, data["missing"], path)
 
 
@@ -959,7 +961,7 @@ def draw_memory(plt, data, meta, path):
     ax.set_xlabel("peak memory of the fullest rank (GiB" + (", log scale" if ax.get_xscale() == "log" else "") +
                   "; CPU: resident set); light hatched bars: predicted, each rank simulated alone")
     ax.grid(axis="x", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    _legend(ax, fontsize=7, loc="lower right")
     _save(plt, fig, "Peak memory per rank against the device's capacity", meta, data["missing"], path)
 
 
@@ -997,7 +999,7 @@ def draw_comm(plt, data, meta, path):
     if shown_gbps and max(shown_gbps) > 100 * min(shown_gbps):
         ax_bw.set_yscale("log")  # CPU processes reach a fraction of a GB/s, a GPU link hundreds
     ax_bw.set_ylabel("bus bandwidth (GB/s" + (", log scale" if ax_bw.get_yscale() == "log" else "") + ")")
-    ax_bw.legend(fontsize=7)
+    _legend(ax_bw, fontsize=7)
     _save(plt, fig, "Bytes on the wire per step, and the bandwidth achieved", meta, data["missing"], path)
 
 

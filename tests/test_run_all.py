@@ -301,10 +301,11 @@ def alive(pid):
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-@pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM"])
+@pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM", "reader left"])
 def test_a_signal_ends_the_sweep_and_its_running_ranks_within_seconds_and_reports_what_finished(stub_sweep, tmp_path, how):
     """The real torchrun (its ranks in sessions of their own) on 2 processes of a stub
-    that hangs; Ctrl-C is SIGINT to the terminal's process group, SIGTERM to the sweep."""
+    that hangs; Ctrl-C is SIGINT to the terminal's process group, SIGTERM to the sweep,
+    and a reader that left (`| head`) closes the sweep's output."""
     (stub_sweep / "machine.json").write_text("[0, 0, \"none\"]")
     (stub_sweep / "stub.json").write_text(json.dumps({"hang": ["fsdp"]}))
     out = tmp_path / "out"
@@ -317,18 +318,27 @@ def test_a_signal_ends_the_sweep_and_its_running_ranks_within_seconds_and_report
         ranks = [int(p.suffix[1:]) for p in stub_sweep.glob("hung.*")]
         assert len(ranks) == 2 and proc.poll() is None, proc.communicate()
         start = time.monotonic()
-        os.killpg(proc.pid, signal.SIGINT) if how == "Ctrl-C" else proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=30)
+        if how == "Ctrl-C":
+            os.killpg(proc.pid, signal.SIGINT)
+        elif how == "SIGTERM":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            proc.stdout.close()
+        stderr = proc.stderr.read()
+        proc.wait(timeout=30)
         seconds = time.monotonic() - start
+        stdout = "" if how == "reader left" else proc.stdout.read()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == (130 if how == "Ctrl-C" else 143) and seconds < 15, (proc.returncode, seconds, stderr)
+    name, code = {"Ctrl-C": ("SIGINT", 130), "SIGTERM": ("SIGTERM", 143), "reader left": ("SIGPIPE", 141)}[how]
+    assert proc.returncode == code and seconds < 15, (proc.returncode, seconds, stderr)
     assert not [pid for pid in ranks if alive(pid)], ranks
     lines = stderr.splitlines()
-    assert len(lines) == 1 and re.fullmatch(rf"run_all.sh: SIG{'INT' if how == 'Ctrl-C' else 'TERM'} during \[2/2\]: 1 of 2 runs finished "
-                                            r"\(ddp x2\); the table below is theirs", lines[0]), stderr
-    assert "Traceback" not in stdout + stderr and "[2/2] fsdp x2, global batch 16 ... interrupted after" in stdout
+    assert len(lines) == 1 and re.fullmatch(rf"run_all.sh: {name} during \[2/2\]: 1 of 2 runs finished \(ddp x2\); the table below is theirs",
+                                            lines[0]), stderr
+    assert "Traceback" not in stdout + stderr
+    assert how == "reader left" or "[2/2] fsdp x2, global batch 16 ... interrupted after" in stdout
     assert [(row[0], row[1]) for row in table_md_rows(out / "table.md")] == [("ddp", "2")]
 
 
