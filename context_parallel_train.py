@@ -200,8 +200,8 @@ def main():
         fully_shard(block, mesh=shard_mesh, mp_policy=precision)
     fully_shard(model, mesh=shard_mesh, mp_policy=precision)
 
-    optimizer = common.make_optimizer(model.parameters(), args)
-    ckpt = common.Checkpointer(args, cfg, model, optimizer)
+    optimizer = common.make_optimizer(model, args)
+    ckpt = common.checkpointer(args, cfg, model, optimizer)
     start_step = ckpt.load()
     if start_step >= args.steps:
         return
@@ -211,34 +211,30 @@ def main():
     # The cp ranks of one dp group read the same samples, and each keeps its chunks.
     micro_batch = args.global_batch_size // (dp * args.grad_accum)
     batches = common.make_batches(args, cfg, env.device, micro_batch, dp_rank, dp, start_step)
-    tlog = common.TrainLog(args, env, cfg, "cp", ckpt, optimizer)
+    tlog = common.TrainLog(args, env, cfg, "cp", optimizer, start_step, hooks=[ckpt])
     batches = tlog.timed_batches(batches)
-    with common.Profiler(args, env) as prof:
-        for step in tlog.steps():
-            lr = common.set_lr(optimizer, step, args)
-            loss = torch.zeros((), device=env.device)
-            for _ in range(args.grad_accum):
-                x, y = next(batches)
-                positions = torch.arange(args.seq_len, device=env.device)
-                if cp > 1 and args.cp_impl == "torch":  # it shards these in place, into the same chunks
-                    sharded = context_parallel(mesh["cp"], buffers=[x, y, positions], buffer_seq_dims=[1, 1, 0])
-                else:
-                    x, y, positions, sharded = local_part(x, 1, cp_rank, cp), local_part(y, 1, cp_rank, cp), local_part(positions, 0, cp_rank, cp), nullcontext()
-                with sharded:
-                    micro_loss = loss_fn(model(x, positions), y) / args.grad_accum
-                    micro_loss.backward()
-                loss += micro_loss.detach()
-            grad_norm = common.clip_grad_norm_(optimizer, args.grad_clip)
-            optimizer.step()
-            common.precompute_float8_scales(model)
-            optimizer.zero_grad(set_to_none=True)
-            # Each rank holds the mean over its own tokens, as many on every rank: the
-            # shares (loss / world) sum to the mean over the whole global batch.
-            stop = tlog.end_step(step, loss / env.world_size, grad_norm, lr)
-            ckpt.maybe_save(step + 1, force=stop)
-            prof.step()
-            if stop:
-                break
+    for step in tlog.steps():
+        lr = common.set_lr(optimizer, step, args)
+        loss = torch.zeros((), device=env.device)
+        for _ in range(args.grad_accum):
+            x, y = next(batches)
+            positions = torch.arange(args.seq_len, device=env.device)
+            if cp > 1 and args.cp_impl == "torch":  # it shards these in place, into the same chunks
+                sharded = context_parallel(mesh["cp"], buffers=[x, y, positions], buffer_seq_dims=[1, 1, 0])
+            else:
+                x, y, positions, sharded = local_part(x, 1, cp_rank, cp), local_part(y, 1, cp_rank, cp), local_part(positions, 0, cp_rank, cp), nullcontext()
+            with sharded:
+                micro_loss = loss_fn(model(x, positions), y) / args.grad_accum
+                micro_loss.backward()
+            loss += micro_loss.detach()
+        grad_norm = common.clip_grad_norm_(optimizer, args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        # Each rank holds the mean over its own tokens, as many on every rank: the
+        # shares (loss / world) sum to the mean over the whole global batch.
+        if tlog.end_step(step, loss / env.world_size, grad_norm, lr):  # SIGTERM: saved, stop
+            break
+
     tlog.finish(mesh={"dp": dp, "cp": cp}, cp_impl=args.cp_impl, tokens_per_rank=args.seq_len // cp)
 
 

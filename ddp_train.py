@@ -56,7 +56,8 @@ def powersgd_bucket_by_bucket(state, bucket):
 def register_comm_hook(model, args):
     """Compress gradients on the wire (the article's communication-hook advice)."""
     if args.simulate:
-        model.register_comm_hook(None, common.simulated_allreduce_hook({"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.comm_hook, torch.float32)))
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.comm_hook, torch.float32)
+        model.register_comm_hook(None, common.option("simulate").allreduce_hook(dtype))
     elif args.comm_hook == "fp16":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif args.comm_hook == "bf16":
@@ -130,6 +131,8 @@ def main():
                  f"--global-batch-size {args.global_batch_size} must divide evenly over {env.world_size} ranks x --grad-accum {args.grad_accum}")
     common.check(args.comm_hook == "none" or env.world_size > 1, "--comm-hook needs more than one rank: at world size 1 nothing is communicated")
     common.check(not (args.simulate and args.comm_hook == "powersgd"), "--comm-hook powersgd cannot be simulated: its factors depend on data the fake peers never send")
+    common.check(args.comm_hook != "powersgd" or args.powersgd_start_iter < args.steps, f"--powersgd-start-iter {args.powersgd_start_iter} "
+                 f"is not below --steps {args.steps}: PowerSGD would never start (lower it, or raise --steps)")
 
     # Every rank builds the same full model from the same seed.
     raw_model = common.build_model(cfg, env.device, args)
@@ -139,38 +142,35 @@ def main():
         model = DDP(raw_model, device_ids=[env.local_rank] if env.device.type == "cuda" else None, gradient_as_bucket_view=True)
         register_comm_hook(model, args)
 
-    optimizer = common.make_optimizer(model.parameters(), args)
+    optimizer = common.make_optimizer(raw_model, args)
     scaler = torch.amp.GradScaler(env.device.type, enabled=args.dtype == "fp16")  # a no-op unless fp16
-    ckpt = common.Checkpointer(args, cfg, raw_model, optimizer, scaler if scaler.is_enabled() else None)
+    ckpt = common.checkpointer(args, cfg, raw_model, optimizer, scaler if scaler.is_enabled() else None)
     start_step = ckpt.load()
     if start_step >= args.steps:
         return
 
     micro_batch = args.global_batch_size // (env.world_size * args.grad_accum)
     batches = common.make_batches(args, cfg, env.device, micro_batch, env.rank, env.world_size, start_step)
-    tlog = common.TrainLog(args, env, cfg, "ddp", ckpt, optimizer)
+    tlog = common.TrainLog(args, env, cfg, "ddp", optimizer, start_step, hooks=[ckpt])
     batches = tlog.timed_batches(batches)
     stop = False
-    with common.Profiler(args, env) as prof:
-        for step in tlog.steps():
-            lr = common.set_lr(optimizer, step, args)
-            loss = torch.zeros((), device=env.device)
-            for micro in range(args.grad_accum):
-                x, y = next(batches)
-                # Only the last micro-step all-reduces: accumulation saves communication.
-                last = micro == args.grad_accum - 1
-                loss += forward_backward(model, loss_fn, x, y, args, env.device, scaler, sync=last or env.world_size == 1)
-            scaler.unscale_(optimizer)
-            grad_norm = common.clip_grad_norm_(optimizer, args.grad_clip)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            # This rank's loss is the mean over its G/world samples; the shares sum to the global mean.
-            stop = tlog.end_step(step, loss / env.world_size, grad_norm, lr)
-            ckpt.maybe_save(step + 1, force=stop)
-            prof.step()
-            if stop:
-                break
+    for step in tlog.steps():
+        lr = common.set_lr(optimizer, step, args)
+        loss = torch.zeros((), device=env.device)
+        for micro in range(args.grad_accum):
+            x, y = next(batches)
+            # Only the last micro-step all-reduces: accumulation saves communication.
+            last = micro == args.grad_accum - 1
+            loss += forward_backward(model, loss_fn, x, y, args, env.device, scaler, sync=last or env.world_size == 1)
+        scaler.unscale_(optimizer)
+        grad_norm = common.clip_grad_norm_(optimizer, args.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        # This rank's loss is the mean over its G/world samples; the shares sum to the global mean.
+        stop = tlog.end_step(step, loss / env.world_size, grad_norm, lr)
+        if stop:  # SIGTERM: saved
+            break
 
     extra = {}
     if env.world_size > 1 and not stop and not args.simulate:  # after a SIGTERM, the time left is the scheduler's

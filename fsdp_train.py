@@ -93,39 +93,34 @@ def main():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(env.device)
 
-    optimizer = common.make_optimizer(model.parameters(), args)
-    ckpt = common.Checkpointer(args, cfg, model, optimizer)
+    optimizer = common.make_optimizer(model, args)
+    ckpt = common.checkpointer(args, cfg, model, optimizer)
     start_step = ckpt.load()
     if start_step >= args.steps:
         return
 
     micro_batch = args.global_batch_size // (env.world_size * args.grad_accum)
     batches = common.make_batches(args, cfg, env.device, micro_batch, env.rank, env.world_size, start_step)
-    tlog = common.TrainLog(args, env, cfg, "fsdp", ckpt, optimizer)
+    tlog = common.TrainLog(args, env, cfg, "fsdp", optimizer, start_step, hooks=[ckpt])
     batches = tlog.timed_batches(batches)
     grad_bytes = 0
-    with common.Profiler(args, env) as prof:
-        for step in tlog.steps():
-            lr = common.set_lr(optimizer, step, args)
-            loss = torch.zeros((), device=env.device)
-            for _ in range(args.grad_accum):
-                x, y = next(batches)
-                # Every micro-step reduce-scatters: skipping it (set_requires_gradient_sync) would
-                # keep the whole unsharded gradient on every rank, the memory FSDP is here to save.
-                micro_loss = loss_fn(model(x), y) / args.grad_accum
-                micro_loss.backward()
-                loss += micro_loss.detach()
-            grad_norm = common.clip_grad_norm_(optimizer, args.grad_clip)
-            optimizer.step()
-            common.precompute_float8_scales(model)
-            grad_bytes = local_bytes(p.grad for p in model.parameters())
-            optimizer.zero_grad(set_to_none=True)
-            # This rank's loss is the mean over its G/world samples; the shares sum to the global mean.
-            stop = tlog.end_step(step, loss / env.world_size, grad_norm, lr)
-            ckpt.maybe_save(step + 1, force=stop)
-            prof.step()
-            if stop:
-                break
+    for step in tlog.steps():
+        lr = common.set_lr(optimizer, step, args)
+        loss = torch.zeros((), device=env.device)
+        for _ in range(args.grad_accum):
+            x, y = next(batches)
+            # Every micro-step reduce-scatters: skipping it (set_requires_gradient_sync) would
+            # keep the whole unsharded gradient on every rank, the memory FSDP is here to save.
+            micro_loss = loss_fn(model(x), y) / args.grad_accum
+            micro_loss.backward()
+            loss += micro_loss.detach()
+        grad_norm = common.clip_grad_norm_(optimizer, args.grad_clip)
+        optimizer.step()
+        grad_bytes = local_bytes(p.grad for p in model.parameters())
+        optimizer.zero_grad(set_to_none=True)
+        # This rank's loss is the mean over its G/world samples; the shares sum to the global mean.
+        if tlog.end_step(step, loss / env.world_size, grad_norm, lr):  # SIGTERM: saved, stop
+            break
 
     # What sharding buys: the training state a rank holds (the largest rank's), and each
     # rank's peak (on a CPU, resident memory is mostly torch itself: the shards are the figure).

@@ -13,6 +13,8 @@ they share a node and their all-gathers and reduce-scatters (the whole stage's
 parameters and gradients, every step) run over NVLink, while the pipeline's sends (one
 activation per micro-batch) cross nodes. --mesh-order dp-pp reverses that.
 
+It builds on pipeline_train.py (its stages, schedules and report): copy both.
+
 Launch:
     torchrun --standalone --nproc_per_node=8 hybrid_train.py --model 2.5b --pp 2 --global-batch-size 32
     # two nodes of 8: a 2-stage pipeline across the nodes, 8-way data parallel inside each
@@ -29,6 +31,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
+import pipeline_train as pipeline  # the stages, schedules and their report: hybrid is a pipeline, replicated
 
 
 def replicate(modules, args, dp_mesh, device):
@@ -40,7 +43,7 @@ def replicate(modules, args, dp_mesh, device):
         replicas = [DDP(m, process_group=dp_mesh.get_group(), find_unused_parameters=True,
                         device_ids=[device.index] if device.type == "cuda" else None) for m in modules]
         for replica in replicas if args.simulate else []:
-            replica.register_comm_hook(dp_mesh.get_group(), common.simulated_allreduce_hook(torch.float32))
+            replica.register_comm_hook(dp_mesh.get_group(), common.option("simulate").allreduce_hook(torch.float32))
         return replicas
     # bf16 compute with fp32 gradient reduction; parameters stay gathered between a step's
     # micro-batches (reshard_after_forward=False), or every micro-batch would gather them.
@@ -69,14 +72,14 @@ def main():
     parser.add_argument("--pp", type=common.positive, default=2, help="pipeline stages' ranks; data-parallel degree = world / pp (default: 2)")
     parser.add_argument("--dp-wrapper", choices=["fsdp", "ddp"], default="fsdp", help="how a stage's replicas stay in step (default: fsdp)")
     parser.add_argument("--mesh-order", choices=["pp-dp", "dp-pp"], default="pp-dp", help="outer-inner mesh dimensions; the inner one's ranks share a node (default: pp-dp)")
-    common.add_pipeline_args(parser)  # --schedule, --micro-batches, --stages-per-rank, --split, as in pipeline_train.py
+    pipeline.add_pipeline_args(parser)  # --schedule, --micro-batches, --stages-per-rank, --split
     args, cfg = common.parse_args(parser)
     env = common.init_distributed(args)
     common.check(env.world_size % args.pp == 0, f"world size {env.world_size} is not divisible by --pp {args.pp}")
     pp, dp = args.pp, env.world_size // args.pp
-    common.check(not (args.dp_wrapper == "ddp" and args.schedule in common.ZERO_BUBBLE),
+    common.check(not (args.dp_wrapper == "ddp" and args.schedule in pipeline.ZERO_BUBBLE),
                  f"--schedule {args.schedule} writes weight gradients itself, so DDP's all-reduce hooks never fire and replicas drift apart: use --dp-wrapper fsdp")
-    n_stages = common.check_pipeline_args(args, pp)
+    n_stages = pipeline.check_pipeline_args(args, pp)
     common.split_layers(cfg.n_layers, n_stages, args.split)
     batch_per_call = args.global_batch_size // (dp * args.grad_accum)
     common.check(args.global_batch_size % (dp * args.grad_accum) == 0 and batch_per_call % args.micro_batches == 0,
@@ -87,57 +90,52 @@ def main():
     common.log(f"mesh {args.mesh_order}: pp {pp} x dp {dp} ({args.dp_wrapper}); rank 0's pipeline peers: {mesh['pp'].mesh.tolist()}")
 
     # Pipeline along pp, exactly as pipeline_train.py; then replicate each stage along dp.
-    stage_ids = common.stages_of_rank(args.schedule, pp_rank, pp, args.stages_per_rank)
-    modules = [common.build_stage_module(cfg, args, s, n_stages, env.device, fsdp=args.dp_wrapper == "fsdp") for s in stage_ids]
+    stage_ids = pipeline.stages_of_rank(args.schedule, pp_rank, pp, args.stages_per_rank)
+    modules = [pipeline.build_stage_module(cfg, args, s, n_stages, env.device, fsdp=args.dp_wrapper == "fsdp") for s in stage_ids]
     wrapped = replicate(modules, args, mesh["dp"], env.device)
     # FSDP's bf16 policy casts each unit's input, so the residual stream crosses stages in bf16.
     stream = torch.bfloat16 if args.dp_wrapper == "fsdp" and args.dtype == "bf16" else torch.float32
-    shapes = [common.stage_shapes(args, cfg, s, n_stages, batch_per_call // args.micro_batches, env.device, stream) for s in stage_ids]
+    shapes = [common.option("simulate").stage_shapes(args, cfg, s, n_stages, batch_per_call // args.micro_batches, env.device, stream)
+              if args.simulate else {} for s in stage_ids]
     stages = [PipelineStage(w, s, n_stages, env.device, group=mesh["pp"].get_group(), **shape) for w, s, shape in zip(wrapped, stage_ids, shapes)]
     micro_batches_per_step = args.micro_batches * args.grad_accum
     loss_fn = common.make_loss_fn(args)
-    schedule = common.make_schedule(args, stages, args.micro_batches, lambda out, y: loss_fn(out, y) / micro_batches_per_step)
+    schedule = pipeline.make_schedule(args, stages, args.micro_batches, lambda out, y: loss_fn(out, y) / micro_batches_per_step)
     has_first, has_last = 0 in stage_ids, n_stages - 1 in stage_ids
     # FSDP's mixed-precision policy already computes in bf16; DDP needs autocast for it.
     autocast = common.autocast(args, env.device) if args.dp_wrapper == "ddp" else nullcontext()
 
-    optimizer = common.make_optimizer((p for m in modules for p in m.parameters()), args)
-    merged = common.merged_stages(modules)
-    ckpt = common.Checkpointer(args, cfg, merged, optimizer)
+    merged = pipeline.merged_stages(modules)
+    optimizer = common.make_optimizer(merged, args)
+    ckpt = common.checkpointer(args, cfg, merged, optimizer)
     start_step = ckpt.load()
     if start_step >= args.steps:
         return
     batches = common.make_batches(args, cfg, env.device, batch_per_call, dp_rank, dp, start_step) if has_first or has_last else None
-    timer = common.ComputeTimer(env.device, optimizer, stages)
-    tlog = common.TrainLog(args, env, cfg, "hybrid", ckpt, optimizer)
+    tlog = common.TrainLog(args, env, cfg, "hybrid", optimizer, start_step, hooks=[ckpt])
+    pipeline.time_stages(stages, tlog.clock)
     batches = tlog.timed_batches(batches)
-    with common.Profiler(args, env) as prof:
-        for step in tlog.steps():
-            lr = common.set_lr(optimizer, step, args)
-            losses = []
-            for _ in range(args.grad_accum):
-                x, y = next(batches) if batches else (None, None)
-                inputs = (x,) if has_first else ()
-                step_losses = []  # step() empties the list it is given before filling it
-                targets = {"target": y, "losses": step_losses} if has_last else {}
-                with autocast:
-                    schedule.step(*inputs, **targets)
-                losses += step_losses
-            # The norm over every stage (pp) of the whole model (FSDP shards reduce over dp).
-            grad_norm = common.clip_grad_norm_(optimizer, args.grad_clip, group=mesh["pp"].get_group())
-            optimizer.step()
-            common.precompute_float8_scales(merged)
-            optimizer.zero_grad(set_to_none=True)
-            # Each replica's last stage holds its slice's mean loss: dp shares make the global mean.
-            loss = torch.stack(losses).sum() / dp if has_last else torch.zeros((), device=env.device)
-            stop = tlog.end_step(step, loss, grad_norm, lr)
-            timer.end_step(tlog.step_times[-1])
-            ckpt.maybe_save(step + 1, force=stop)
-            prof.step()
-            if stop:
-                break
+    for step in tlog.steps():
+        lr = common.set_lr(optimizer, step, args)
+        losses = []
+        for _ in range(args.grad_accum):
+            x, y = next(batches) if batches else (None, None)
+            inputs = (x,) if has_first else ()
+            step_losses = []  # step() empties the list it is given before filling it
+            targets = {"target": y, "losses": step_losses} if has_last else {}
+            with autocast:
+                schedule.step(*inputs, **targets)
+            losses += step_losses
+        # The norm over every stage (pp) of the whole model (FSDP shards reduce over dp).
+        grad_norm = common.clip_grad_norm_(optimizer, args.grad_clip, group=mesh["pp"].get_group())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        # Each replica's last stage holds its slice's mean loss: dp shares make the global mean.
+        loss = torch.stack(losses).sum() / dp if has_last else torch.zeros((), device=env.device)
+        if tlog.end_step(step, loss, grad_norm, lr):  # SIGTERM: saved, stop
+            break
 
-    report = common.pipeline_report(timer, tlog, args, schedule, modules, pp, env.device)
+    report = pipeline.pipeline_report(tlog, args, schedule, modules, pp, env.device)
     drift = replica_drift(modules, mesh["dp"]) if args.dp_wrapper == "ddp" else None
     if drift is not None:
         common.log(f"largest difference between a stage's DDP replicas: {drift:.1e}")

@@ -63,8 +63,8 @@ def main():
 
     model = common.build_model(cfg, env.device, args, layers, embed=first, head=last)
     loss_fn = common.make_loss_fn(args)
-    optimizer = common.make_optimizer(model.parameters(), args)
-    ckpt = common.Checkpointer(args, cfg, model, optimizer)
+    optimizer = common.make_optimizer(model, args)
+    ckpt = common.checkpointer(args, cfg, model, optimizer)
     start_step = ckpt.load()
     if start_step >= args.steps:
         return
@@ -73,54 +73,49 @@ def main():
     batches = common.make_batches(args, cfg, env.device, micro_batch, start_step=start_step) if first or last else None
     # What crosses a boundary: the residual stream, fp32 even under autocast.
     activation_shape = (micro_batch, args.seq_len, cfg.d_model)
-    timer = common.ComputeTimer(env.device, optimizer)
-    forward, backward = timer.timed(model, "F"), timer.timed(torch.autograd.backward, "B")
-    tlog = common.TrainLog(args, env, cfg, "model_parallel", ckpt, optimizer)
+    tlog = common.TrainLog(args, env, cfg, "model_parallel", optimizer, start_step, hooks=[ckpt])
+    # Compute timed apart from the waits around it: the rank's busy share, measured.
+    forward, backward = tlog.clock.timed(model, "F"), tlog.clock.timed(torch.autograd.backward, "B")
     batches = tlog.timed_batches(batches)
     common.log(f"blocks per rank: {[len(r) for r in split]}")
-    with common.Profiler(args, env) as prof:
-        for step in tlog.steps():
-            lr = common.set_lr(optimizer, step, args)
-            loss_sum = torch.zeros((), device=env.device)
-            for _ in range(args.grad_accum):
-                x, y = next(batches) if batches else (None, None)
-                # Forward: wait for the previous rank's activations, run my blocks, pass them on.
-                if first:
-                    inputs = x
-                else:
-                    inputs = torch.empty(activation_shape, device=env.device)
-                    dist.recv(inputs, env.rank - 1)
-                    inputs.requires_grad_()
-                with common.autocast(args, env.device):
-                    out = forward(inputs)
-                    if last:
-                        loss = loss_fn(out, y) / args.grad_accum
-                # Backward: from the loss, or from the gradient the next rank sends back.
+    for step in tlog.steps():
+        lr = common.set_lr(optimizer, step, args)
+        loss_sum = torch.zeros((), device=env.device)
+        for _ in range(args.grad_accum):
+            x, y = next(batches) if batches else (None, None)
+            # Forward: wait for the previous rank's activations, run my blocks, pass them on.
+            if first:
+                inputs = x
+            else:
+                inputs = torch.empty(activation_shape, device=env.device)
+                dist.recv(inputs, env.rank - 1)
+                inputs.requires_grad_()
+            with common.autocast(args, env.device):
+                out = forward(inputs)
                 if last:
-                    backward(loss)
-                    loss_sum += loss.detach()
-                else:
-                    dist.send(out.detach(), env.rank + 1)
-                    grad = torch.empty_like(out)
-                    dist.recv(grad, env.rank + 1)
-                    backward(out, grad)
-                if not first:
-                    dist.send(inputs.grad, env.rank - 1)
-            grad_norm = common.clip_grad_norm_(optimizer, args.grad_clip, group=dist.group.WORLD)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            stop = tlog.end_step(step, loss_sum, grad_norm, lr)  # only the last rank's loss is non-zero
-            timer.end_step(tlog.step_times[-1])
-            ckpt.maybe_save(step + 1, force=stop)
-            prof.step()
-            if stop:
-                break
+                    loss = loss_fn(out, y) / args.grad_accum
+            # Backward: from the loss, or from the gradient the next rank sends back.
+            if last:
+                backward(loss)
+                loss_sum += loss.detach()
+            else:
+                dist.send(out.detach(), env.rank + 1)
+                grad = torch.empty_like(out)
+                dist.recv(grad, env.rank + 1)
+                backward(out, grad)
+            if not first:
+                dist.send(inputs.grad, env.rank - 1)
+        grad_norm = common.clip_grad_norm_(optimizer, args.grad_clip, group=dist.group.WORLD)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if tlog.end_step(step, loss_sum, grad_norm, lr):  # only the last rank's loss is non-zero; SIGTERM: saved, stop
+            break
 
     # Per rank: computing, moving activations (each crossing timed alone, times the
     # crossings a step makes), and waiting for the others (the rest of the step).
     _, step_seconds = tlog.throughput()
     to_previous, to_next = measure_transfer_seconds(env, activation_shape)
-    busy_pct = timer.busy_pct(tlog.timed)
+    busy_pct = tlog.clock.busy_pct(tlog.timed)
     transfer_pct = 100 * 2 * args.grad_accum * (to_previous + to_next) / step_seconds  # forward and backward
     busy = common.gather_floats(busy_pct, env.device)
     transfer = common.gather_floats(transfer_pct, env.device)
@@ -129,7 +124,7 @@ def main():
         common.log(f"rank {rank}: busy {b:5.1f}% | transfers {t:5.1f}% | idle {i:5.1f}%")
     tlog.finish(split=[len(r) for r in split],
                 busy_pct_per_rank=busy, transfer_pct_per_rank=transfer, idle_pct_per_rank=idle,
-                utilisation_pct=sum(busy) / len(busy), action_seconds=timer.mean_seconds(tlog.timed))
+                utilisation_pct=sum(busy) / len(busy), action_seconds=tlog.clock.mean_seconds(tlog.timed))
 
 
 if __name__ == "__main__":

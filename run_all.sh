@@ -405,17 +405,19 @@ run_row() {
             set -- ${flags} "${extra[@]}"
             label+=", global batch $batch${1:+: $*}${note:+ ($note)}"
             [ "$attempt" = 1 ] || log+="_checkpointed"
+            # A measured run counts its last step's collectives (--count-comm; that step is not
+            # timed) for the report's bytes and its check against the prediction; a simulated rank counts them anyway.
             case $mode in
                 simulated) run_one "$label" "$script x$n simulated rank $rank" "$log.log" "{$fields}" \
                     python3 "${script}_train.py" --simulate "$n" --simulate-rank "$rank" --model "$model" --steps "$steps" \
                     --global-batch-size "$batch" --seq-len "$seq_len" "${device_args[@]}" "${compile_args[@]}" --results "$out/simulated.jsonl" "$@" ;;
                 measured) run_one "$label" "$script x$n" "$log.log" "{$fields}" \
                     torchrun --standalone --nproc_per_node="$n" "${script}_train.py" --model "$model" --steps "$steps" \
-                    --global-batch-size "$batch" --seq-len "$seq_len" "${device_args[@]}" "${compile_args[@]}" --results "$results" \
+                    --global-batch-size "$batch" --seq-len "$seq_len" "${device_args[@]}" "${compile_args[@]}" --count-comm --results "$results" \
                     "${profile_args[@]}" "$@" ;;
                 float8) run_one "$label" "$script x$n float8" "$log.log" "{$fields}" \
                     torchrun --standalone --nproc_per_node="$n" "${script}_train.py" --model "$model" --steps "$steps" \
-                    --global-batch-size "$batch" --seq-len "$seq_len" "${device_args[@]}" "${compile_args[@]}" --results "$results" "$@" ;;
+                    --global-batch-size "$batch" --seq-len "$seq_len" "${device_args[@]}" "${compile_args[@]}" --count-comm --results "$results" "$@" ;;
             esac
             [ "$outcome" = ok ] || break
         done

@@ -23,6 +23,7 @@ import sys
 from tabulate import tabulate
 
 import common
+import pipeline_train
 
 # The article's order, then context parallelism; any other strategy after them, by name.
 ORDER = ["ddp", "model_parallel", "pipeline", "hybrid", "fsdp", "tp", "cp"]
@@ -309,7 +310,7 @@ def roles(strategy, n, n_layers, schedule="1f1b", stages_per_rank=1, pp=2):
     blocks = [n_layers // n_stages + (i < n_layers % n_stages) for i in range(n_stages)]
     by_work = {}
     for k in range(pp):
-        stages = common.stages_of_rank(schedule, k, pp, per_rank)
+        stages = pipeline_train.stages_of_rank(schedule, k, pp, per_rank)
         work = (tuple(blocks[s] for s in stages), 0 in stages, n_stages - 1 in stages)
         by_work.setdefault(work, []).extend(range(k * dp, (k + 1) * dp))
     return {ranks[0]: ranks for ranks in by_work.values()}
@@ -1122,7 +1123,7 @@ def micro_batches(batch, pp, schedule, stages_per_rank):
     counts = sorted(m for m in {*divisors, *(batch // d for d in divisors)} if m >= pp)
     if not counts:
         return None
-    return next((m for m in counts if common.theoretical_bubble_pct(schedule, pp, m, stages_per_rank) <= BUBBLE_TARGET_PCT), counts[-1])
+    return next((m for m in counts if pipeline_train.theoretical_bubble_pct(schedule, pp, m, stages_per_rank) <= BUBBLE_TARGET_PCT), counts[-1])
 
 
 def settings_tried(script, n, batch, n_layers, n_heads, seq_len):

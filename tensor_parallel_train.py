@@ -106,12 +106,15 @@ def main():
 
     mesh = common.make_mesh(env, dp=args.dp, tp=tp)
     common.log(f"mesh dp {args.dp} x tp {tp}; rank 0's tensor-parallel group: ranks {mesh['tp'].mesh.tolist()}")
-    model = common.build_model(cfg, env.device, args, fsdp=args.dp > 1)  # whole, then split: weights equal the single process's
+    # Whole, then split: weights equal the single process's. Blocks compile once split (as torchtitan).
+    model = common.build_model(cfg, env.device, args, fsdp=args.dp > 1, defer_compile=True)
     # Eager even under --compile: loss_parallel bakes this rank's vocabulary offset into a
     # compiled loss, and torch's compile cache keys it without the rank (pytorch#188390),
     # so the next run would hand rank 0's loss to every rank: wrong losses, no error.
     loss_fn = common.loss_fn
     tensor_parallel(model, mesh["tp"], args.sequence_parallel, args.float8)
+    if args.compile:
+        common.compile_blocks(model)
     # FSDP over dp, per block and at the root, with bf16 mixed precision as in fsdp_train.py
     # (weights and unit inputs cast to bf16, gradients reduced and stepped in fp32). At
     # --dp 1 it would have nothing to shard and only add its casts and copies to each step
@@ -124,8 +127,8 @@ def main():
         fully_shard(model, mesh=mesh["dp"], mp_policy=precision)
     autocast = common.autocast(args, env.device) if args.dp == 1 else nullcontext()
 
-    optimizer = common.make_optimizer(model.parameters(), args)
-    ckpt = common.Checkpointer(args, cfg, model, optimizer)
+    optimizer = common.make_optimizer(model, args)
+    ckpt = common.checkpointer(args, cfg, model, optimizer)
     start_step = ckpt.load()
     if start_step >= args.steps:
         return
@@ -134,31 +137,27 @@ def main():
     dp_rank = mesh["dp"].get_local_rank()
     micro_batch = args.global_batch_size // (args.dp * args.grad_accum)
     batches = common.make_batches(args, cfg, env.device, micro_batch, dp_rank, args.dp, start_step)
-    tlog = common.TrainLog(args, env, cfg, "tp", ckpt, optimizer)
+    tlog = common.TrainLog(args, env, cfg, "tp", optimizer, start_step, hooks=[ckpt])
     batches = tlog.timed_batches(batches)
-    with common.Profiler(args, env) as prof:
-        for step in tlog.steps():
-            lr = common.set_lr(optimizer, step, args)
-            loss = torch.zeros((), device=env.device)
-            for _ in range(args.grad_accum):
-                x, y = next(batches)
-                with loss_parallel():  # cross entropy over vocabulary shards, forward and backward
-                    with autocast:
-                        logits = model(x)
-                    micro_loss = loss_fn(logits, y) / args.grad_accum
-                    micro_loss.backward()
-                loss += micro_loss.detach().to_local()  # a replicated DTensor: the same on every tp rank
-            grad_norm = common.clip_grad_norm_(optimizer, args.grad_clip)
-            optimizer.step()
-            common.precompute_float8_scales(model)
-            optimizer.zero_grad(set_to_none=True)
-            # Every tp rank holds its dp group's mean loss: over all ranks, the shares
-            # (loss / world) sum to the global mean.
-            stop = tlog.end_step(step, loss / env.world_size, grad_norm, lr)
-            ckpt.maybe_save(step + 1, force=stop)
-            prof.step()
-            if stop:
-                break
+    for step in tlog.steps():
+        lr = common.set_lr(optimizer, step, args)
+        loss = torch.zeros((), device=env.device)
+        for _ in range(args.grad_accum):
+            x, y = next(batches)
+            with loss_parallel():  # cross entropy over vocabulary shards, forward and backward
+                with autocast:
+                    logits = model(x)
+                micro_loss = loss_fn(logits, y) / args.grad_accum
+                micro_loss.backward()
+            loss += micro_loss.detach().to_local()  # a replicated DTensor: the same on every tp rank
+        grad_norm = common.clip_grad_norm_(optimizer, args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        # Every tp rank holds its dp group's mean loss: over all ranks, the shares
+        # (loss / world) sum to the global mean.
+        if tlog.end_step(step, loss / env.world_size, grad_norm, lr):  # SIGTERM: saved, stop
+            break
+
     tlog.finish(mesh={"dp": args.dp, "tp": tp}, sequence_parallel=args.sequence_parallel)
 
 

@@ -42,7 +42,7 @@ RESUME_RTOL = 1e-2  # bf16 keeps 8 bits of mantissa, and GPU kernels add up in n
 # Options every script takes; {data}, {dir} are filled in per case.
 COMMON = [[], ["--compile"], ["--activation-checkpointing"], ["--grad-accum", "2"], ["--dtype", "fp32"], ["--dtype", "fp16"],
           ["--float8", "tensorwise", "--compile"], ["--float8", "rowwise", "--compile"], ["--data", "{data}"], ["--num-workers", "0"],
-          ["--profile", "{dir}/profile"], ["--tensorboard", "{dir}/tensorboard"], ["--simulate", "2"],
+          ["--profile", "{dir}/profile"], ["--tensorboard", "{dir}/tensorboard"], ["--simulate", "2"], ["--count-comm", "--compile"],
           ["--checkpoint-every", "3", "--checkpoint-dir", "{dir}/checkpoints"]]
 SPECIFIC = {
     "ddp": [["--simulate", "2", "--comm-hook", "bf16"], ["--simulate", "2", "--comm-hook", "fp16"]],

@@ -62,7 +62,7 @@ def baseline_step(args, cfg, device):
     """ddp_train.py's step at world size 1, without its data loader and bookkeeping."""
     script_args = Namespace(seed=0, float8=None, activation_checkpointing=False, compile=args.compile, lr=cfg.lr, weight_decay=0.1)
     model = common.build_model(cfg, device, script_args)
-    optimizer = common.make_optimizer(model.parameters(), script_args)
+    optimizer = common.make_optimizer(model, script_args)
     loss_fn = common.make_loss_fn(script_args)
 
     def step(x, y):

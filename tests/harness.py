@@ -31,7 +31,7 @@ atexit.register(shutil.rmtree, CHECKPOINTS, ignore_errors=True)
 # Tiny model, few steps, no DataLoader workers: fast on 2 CPU cores, and fp32 so that
 # parallel and single-process runs can agree to ~1e-5.
 TINY = ["--model", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--steps", "4",
-        "--num-workers", "0", "--device", "cpu", "--dtype", "fp32", "--timing-warmup-steps", "1"]
+        "--num-workers", "0", "--device", "cpu", "--dtype", "fp32", "--timing-warmup-steps", "1", "--count-comm"]
 
 PARITY_ATOL = 1e-5
 
@@ -221,14 +221,14 @@ def _forked(script, nproc, argv, env, stdout, stderr, timeout, torchrun):
     return code
 
 
-def run_script(script, nproc=1, args=(), env=None, timeout=120, torchrun=True, torchrun_args=(), forked=False):
-    """Run a script on CPU/gloo with the tiny model, as `torchrun --standalone
-    --nproc_per_node=N script.py ...` or, without torchrun, as a plain `python script.py`
-    (the world-of-one path); forked: its ranks forked from the test server (see above).
-    Returns (CompletedProcess, results records)."""
+def run_script(script, nproc=1, args=(), env=None, timeout=120, torchrun=True, torchrun_args=(), forked=False, base=TINY):
+    """Run a script (a path under the repository, or anywhere) on CPU/gloo with the tiny
+    model, as `torchrun --standalone --nproc_per_node=N script.py ...` or, without
+    torchrun, as a plain `python script.py` (the world-of-one path); forked: its ranks
+    forked from the test server (see above). Returns (CompletedProcess, results records)."""
     with tempfile.TemporaryDirectory() as tmp:
         results = os.path.join(tmp, "results.jsonl")
-        argv = [str(ROOT / script), *TINY, *map(str, args), "--results", results]
+        argv = [str(ROOT / script), *base, *map(str, args), "--results", results]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         if forked:
             assert not torchrun_args, "the test server has no torchrun options"
@@ -302,13 +302,14 @@ def assert_pipeline_ran(run, pp, micro_batches, grad_accum, pp_group=None):
     """What rank 0's last step shows of the schedule: which stages it ran, how many
     micro-batches each, in which order, and what it sent to its pipeline peers."""
     import common
+    import pipeline_train
 
     schedule, per_rank = run["schedule"], run["stages_per_rank"]
     n_stages = pp * per_rank
-    mine = common.stages_of_rank(schedule, 0, pp, per_rank)
+    mine = pipeline_train.stages_of_rank(schedule, 0, pp, per_rank)
     actions = [(a[0], int(a[1:].split(":")[0]), int(a.split(":")[1])) for a in run["actions_last_step"]]
     assert sorted({s for _, s, _ in actions}) == sorted(mine), actions
-    backward = {"I", "W"} if schedule in common.ZERO_BUBBLE else {"B"}
+    backward = {"I", "W"} if schedule in pipeline_train.ZERO_BUBBLE else {"B"}
     assert {kind for kind, _, _ in actions} == {"F"} | backward, actions
     for stage in mine:
         for kind in {"F"} | backward:

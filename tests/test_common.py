@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import common
+from options import data as token_file
 
 ARGS = argparse.Namespace(seed=0, activation_checkpointing=False, compile=False, float8=None)
 
@@ -39,8 +40,8 @@ def test_ranks_share_out_each_global_batch_exactly(dp_size):
 def test_token_file_windows_and_its_checks(tmp_path):
     path = tmp_path / "train.bin"
     path.write_bytes(struct.pack("<1000H", *(i % 300 for i in range(1000))))  # nanoGPT's format: little-endian uint16
-    common.check_token_file(str(path), vocab_size=300, seq_len=16)
-    data = common.TokenFile(str(path), seq_len=16, seed=0)
+    token_file.check_token_file(str(path), vocab_size=300, seq_len=16)
+    data = token_file.TokenFile(str(path), seq_len=16, seed=0)
     x, y = data[3]
     start = int(x[0])  # tokens count up (mod 300), so the first token says where the window starts
     assert torch.equal(x, (torch.arange(start, start + 16) % 300)) and torch.equal(x[1:], y[:-1])
@@ -52,7 +53,7 @@ def test_token_file_windows_and_its_checks(tmp_path):
                                 (tmp_path / "missing.bin", 300, "does not exist"), (tmp_path, 300, "is not a file"),
                                 (odd, 300, "odd count"), (short, 300, "holds 10 tokens; one sample needs")]:
         with pytest.raises(common.ConfigError, match=message):
-            common.check_token_file(str(bad), vocab_size=vocab, seq_len=16)
+            token_file.check_token_file(str(bad), vocab_size=vocab, seq_len=16)
 
 
 def test_a_stage_gets_exactly_the_whole_models_weights():
@@ -128,8 +129,8 @@ def test_the_fused_step_applies_the_clip(fp16_scaler):
     torch.manual_seed(0)
     model, ref = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
     ref.load_state_dict(model.state_dict())
-    args = argparse.Namespace(lr=1e-2, weight_decay=0.1)
-    optimizer, ref_optimizer = (common.make_optimizer(m.parameters(), args) for m in (model, ref))
+    args = argparse.Namespace(lr=1e-2, weight_decay=0.1, float8=None)
+    optimizer, ref_optimizer = (common.make_optimizer(m, args) for m in (model, ref))
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=fp16_scaler)
     for size in (5.0, 0.01, 5.0):  # norms far above 0.5, then below it (no clip)
         grads = [size * torch.randn_like(p) for p in model.parameters()]

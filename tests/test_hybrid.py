@@ -3,7 +3,7 @@ every data-parallel wrapper offered, and DDP's replicas must stay identical."""
 
 import pytest
 
-import common
+import pipeline_train
 from harness import assert_losses_match, assert_pipeline_ran, checkpointed, comm, launch, reference, run_script
 
 CLIP = ["--grad-clip", "0.3"]  # below every step's gradient norm (see test_ddp)
@@ -24,7 +24,7 @@ CASES = [
                          ids=[f"pp{p}-dp{4 // p}-{w}-{s}{'-' + e[0].strip('-') if e else ''}" for p, w, s, e in CASES])
 def test_hybrid_matches_single_process(pp, wrapper, schedule, extra):
     args = ["--pp", pp, "--dp-wrapper", wrapper, "--schedule", schedule, "--micro-batches", 4 if pp == 4 else 2, *extra]
-    if schedule == "zbv" and common.torch_version() < (2, 13):
+    if schedule == "zbv" and pipeline_train.torch_version() < (2, 13):
         proc, _ = run_script("hybrid_train.py", 4, args, forked=True)  # see test_pipeline: refused on gloo here
         assert proc.returncode != 0 and proc.stderr.count("error: --schedule zbv on gloo needs torch 2.13") == 1, proc.stderr[-3000:]
         return

@@ -9,13 +9,15 @@ import torch
 
 import common
 import ddp_train
+import pipeline_train
+from options.profile import Profiler
 
 
 def train_log(world_size=1, peak=None, flops_per_step=0.0, timing_warmup_steps=0, start_step=0, steps=10, counted_step=None, profile=None):
     """A TrainLog's state without a process group: its methods are plain functions of it."""
     return SimpleNamespace(env=SimpleNamespace(world_size=world_size), peak=peak, flops_per_step=flops_per_step,
-                           args=SimpleNamespace(timing_warmup_steps=timing_warmup_steps, steps=steps, global_batch_size=64, profile=profile),
-                           start_step=start_step, counted_step=counted_step)
+                           args=SimpleNamespace(timing_warmup_steps=timing_warmup_steps, steps=steps, global_batch_size=64),
+                           start_step=start_step, counted_step=counted_step, untimed_steps=Profiler.untimed_steps if profile else 0)
 
 
 def test_mfu_divides_by_every_device_of_the_world():
@@ -55,7 +57,7 @@ def test_exposed_communication_and_bus_bandwidth():
     ("zero-bubble", 4, 4, 2, None), ("zbv", 4, 4, 2, None),
 ])
 def test_theoretical_bubble_of_every_schedule(schedule, p, m, v, expected):
-    got = common.theoretical_bubble_pct(schedule, p, m, v)
+    got = pipeline_train.theoretical_bubble_pct(schedule, p, m, v)
     assert got is None if expected is None else got == pytest.approx(100 * expected)
 
 
@@ -76,16 +78,18 @@ def test_busy_time_counts_forward_backward_weight_gradients_and_the_optimizer():
     param.grad = torch.zeros(1)
     optimizer = torch.optim.SGD([param], lr=0.1)
     stage = Stage()
-    timer = common.ComputeTimer(torch.device("cpu"), optimizer, [stage])
+    clock = common.StepClock(torch.device("cpu"), optimizer)
+    pipeline_train.time_stages([stage], clock)
+    clock.begin()
     start = time.perf_counter()
     stage.forward_one_chunk(0, ())
     stage.backward_one_chunk(0, full_backward=False)
     stage.backward_weight_one_chunk(0)
     optimizer.step()
     time.sleep(0.06)  # the bubble: waiting on a peer
-    timer.end_step(time.perf_counter() - start)
-    assert timer.last_actions == ["F0:0", "I0:0", "W0:0"]
-    busy = timer.busy_pct(lambda per_step: per_step)
+    clock.end(time.perf_counter() - start)
+    assert clock.last_actions == ["F0:0", "I0:0", "W0:0"]
+    busy = clock.busy_pct(lambda per_step: per_step)
     assert 45 < busy < 55, busy  # 0.06 s of work in a 0.12 s step
 
 

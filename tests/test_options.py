@@ -51,6 +51,7 @@ EFFECTS = {
     "--checkpoint-dir": ["test_checkpoint.py::test_resume_continues_the_same_run"],
     "--simulate": ["test_simulate.py::test_a_simulated_rank_counts_the_bytes_a_real_one_sends",
                    "test_simulate.py::test_a_simulated_fsdp_rank_holds_one_nth_of_the_training_state"],
+    "--count-comm": ["test_simulate.py::test_a_simulated_rank_counts_the_bytes_a_real_one_sends", "test_ddp.py::test_results_line_has_every_field"],
     "--simulate-rank": ["test_simulate.py::test_a_simulated_pipeline_rank_runs_what_the_real_rank_runs",
                         "test_simulate.py::test_a_simulated_fsdp_rank_holds_one_nth_of_the_training_state"],
     "--checkpoint-every": ["test_checkpoint.py::test_the_last_step_is_saved_and_an_unreadable_newest_checkpoint_is_set_aside"],

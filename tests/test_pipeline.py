@@ -3,7 +3,7 @@ several micro-batch counts, with and without gradient accumulation, with clippin
 
 import pytest
 
-import common
+import pipeline_train
 from harness import assert_losses_match, assert_pipeline_ran, checkpointed, launch, reference, run_script
 
 CLIP = ["--grad-clip", "0.3"]  # below every step's gradient norm (see test_ddp)
@@ -25,7 +25,7 @@ CASES = [
 @pytest.mark.parametrize("schedule,nproc,micro_batches,extra", CASES,
                          ids=[f"{s}-x{n}-m{m}{'-' + e[0].strip('-') if e else ''}" for s, n, m, e in CASES])
 def test_schedule_matches_single_process(schedule, nproc, micro_batches, extra):
-    if schedule == "zbv" and common.torch_version() < (2, 13):
+    if schedule == "zbv" and pipeline_train.torch_version() < (2, 13):
         # gloo cannot run ZBV on these releases: the script must say so, once.
         proc, _ = run_script("pipeline_train.py", nproc, ["--schedule", "zbv", "--micro-batches", micro_batches], forked=True)
         assert proc.returncode != 0 and proc.stderr.count("error: --schedule zbv on gloo needs torch 2.13") == 1, proc.stderr[-3000:]

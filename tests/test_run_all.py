@@ -26,16 +26,20 @@ STUBS = Path(__file__).parent / "stub_scripts"
 STRATEGIES = ["ddp", "model_parallel", "pipeline", "hybrid", "fsdp", "tensor_parallel", "context_parallel"]
 # The flags every run of a sweep gets, and how many values each takes; the rest of a run's argv is its row's own.
 COMMON_FLAGS = {"--model": 1, "--steps": 1, "--global-batch-size": 1, "--seq-len": 1, "--device": 1, "--num-workers": 1, "--results": 1,
-                "--profile": 1, "--simulate": 1, "--simulate-rank": 1, "--compile": 0}
+                "--profile": 1, "--simulate": 1, "--simulate-rank": 1, "--compile": 0, "--count-comm": 0}
 ANNOUNCED = re.compile(r"^\[(\d+)/(\d+)\] (\S+) x(\d+)( simulated rank \d+| float8)?, global batch (\d+)(?:: ([^(]*?))?(?: \(([^)]*)\))? \.\.\. (.*)$")
 
 
-def torchless_common():
-    """common.py's presets and the helpers sweep_report reads, without torch (the stand-in
-    torch has nothing else): taken from common.py's own source."""
-    source = (ROOT / "common.py").read_text()
-    wanted = {"ModelConfig", "PRESETS", "stages_of_rank", "theoretical_bubble_pct", "ZERO_BUBBLE", "flops_per_token", "number", "positive",
-              "positive_float"}
+# What sweep_report and run_all.sh read of each module, which the stand-in torch cannot import.
+TORCHLESS = {"common": {"ModelConfig", "PRESETS", "flops_per_token", "number", "positive", "positive_float"},
+             "pipeline_train": {"stages_of_rank", "theoretical_bubble_pct", "ZERO_BUBBLE"}}
+
+
+def torchless(module):
+    """The parts of a module that sweep_report and run_all.sh read, without torch (the
+    stand-in torch has nothing else): taken from the module's own source."""
+    source = (ROOT / f"{module}.py").read_text()
+    wanted = TORCHLESS[module]
     lines, parts = source.splitlines(), ["import argparse\nimport math\nfrom dataclasses import dataclass, replace\n"]
     for node in ast.parse(source).body:
         targets = getattr(node, "targets", [])
@@ -53,10 +57,11 @@ def stub_sweep(tmp_path):
     folder.mkdir()
     for name in ("run_all.sh", "sweep_report.py"):
         shutil.copy(ROOT / name, folder)
-    (folder / "common.py").write_text(torchless_common())
     shutil.copytree(STUBS / "torch", folder / "torch")
-    for script in STRATEGIES:
-        shutil.copy(STUBS / "stub_train.py", folder / f"{script}_train.py")
+    (folder / "common.py").write_text(torchless("common"))
+    stub = (STUBS / "stub_train.py").read_text()
+    for script in STRATEGIES:  # pipeline_train.py also holds the helpers sweep_report imports from it
+        (folder / f"{script}_train.py").write_text(torchless(f"{script}_train") + "\n\n" + stub if f"{script}_train" in TORCHLESS else stub)
     (folder / "bin").mkdir()
     shutil.copy(STUBS / "torchrun", folder / "bin" / "torchrun")
     (folder / "bin" / "torchrun").chmod(stat.S_IRWXU)
@@ -123,8 +128,8 @@ def test_every_row_runs_the_batch_and_flags_it_announces_on_gpus(stub_sweep):
         assert "--compile" in argv and value(argv, "--model") == "2.5b"
         if kind.startswith(" simulated"):
             assert value(argv, "--simulate") == str(n) and got["world"] == n
-        else:
-            assert got["world"] == n and "--simulate" not in argv
+        else:  # the report draws every measured row's bytes
+            assert got["world"] == n and "--simulate" not in argv and "--count-comm" in argv
         if kind == "":
             measured_flags[script, n] = flags or ""
         if kind == " float8":  # the strategy's own settings, as its bf16 row ran them, and float8
@@ -357,6 +362,7 @@ def test_cpu_sweep_reports_what_the_runs_measured(tmp_path, monkeypatch):
     """The real scripts, end to end: the table must be the figures their runs wrote."""
     for name in ("run_all.sh", "sweep_report.py", "common.py", "ddp_train.py", "pipeline_train.py"):
         shutil.copy(ROOT / name, tmp_path)
+    shutil.copytree(ROOT / "options", tmp_path / "options")
     out = tmp_path / "out"
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
     proc = subprocess.run(["bash", "run_all.sh", "--cpu", "--strategies", "ddp,pipeline", "--steps", "5", "--out", str(out)],

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-import common
+import pipeline_train
 import sweep_report
 from harness import checkpointed, comm, launch
 
@@ -56,18 +56,18 @@ def equal_stages(orders, stages_per_rank):
 
 @pytest.mark.parametrize("schedule,p,m", [("gpipe", 4, 4), ("1f1b", 4, 8), ("1f1b", 2, 2), ("gpipe", 8, 16)])
 def test_the_replay_reproduces_the_textbook_bubble(schedule, p, m):
-    orders = common.pipeline_order(None, argparse.Namespace(schedule=schedule, micro_batches=m), p)
-    assert equal_stages(orders, 1) == pytest.approx(common.theoretical_bubble_pct(schedule, p, m, 1) / 100)
+    orders = pipeline_train.pipeline_order(None, argparse.Namespace(schedule=schedule, micro_batches=m), p)
+    assert equal_stages(orders, 1) == pytest.approx(pipeline_train.theoretical_bubble_pct(schedule, p, m, 1) / 100)
 
 
 def test_the_replay_of_torchs_interleaved_order_reproduces_the_interleaved_bubble():
     run = simulate("pipeline_train.py", 2, 0, "--schedule", "interleaved-1f1b", "--micro-batches", 4)
     orders = {int(rank): actions for rank, actions in run["pipeline_order"].items()}
-    assert equal_stages(orders, 2) == pytest.approx(common.theoretical_bubble_pct("interleaved-1f1b", 2, 4, 2) / 100)
+    assert equal_stages(orders, 2) == pytest.approx(pipeline_train.theoretical_bubble_pct("interleaved-1f1b", 2, 4, 2) / 100)
 
 
 def test_the_replay_charges_each_transfer_and_waits_for_the_slowest_stage():
-    orders = common.pipeline_order(None, argparse.Namespace(schedule="gpipe", micro_batches=2), 2)
+    orders = pipeline_train.pipeline_order(None, argparse.Namespace(schedule="gpipe", micro_batches=2), 2)
     times = lambda r, kind, stage: {"F": 1.0, "B": 2.0}[kind] * (1 + stage)  # stage 1 twice as slow
     # Each crossing 0.5: F0:0 | (0.5) F1:0 F1:1 B1:0 B1:1 | (0.5) B0:1, B0:0 having run while B1:1 did.
     makespan, busy = sweep_report.replay(orders, times, lambda a, b: 0.5)

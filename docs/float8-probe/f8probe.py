@@ -211,7 +211,7 @@ def run_(v):
     torch.cuda.reset_peak_memory_stats() if DEV.type == "cuda" else None
     t0 = time.time()
     model = build(v)
-    opt = common.make_optimizer(model.parameters(), args)
+    opt = common.make_optimizer(model, args)
     loss_fn = torch.compile(common.loss_fn)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab_size, (BATCH, cfg.max_seq_len), generator=g).to(DEV)
