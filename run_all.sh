@@ -240,16 +240,21 @@ export OMP_NUM_THREADS=1
 # of the run (PR_SET_CHILD_SUBREAPER: torchrun starts each rank in a session of its own,
 # out of reach of a process-group signal), so on SIGINT, SIGTERM or SIGHUP it ends them
 # all, SIGINT first (a rank then exits as interrupted, writing no results line), SIGKILL
-# after 3 s, and after a run it ends any rank that outlived its launcher.
+# after 3 s, and after a run it ends any rank that outlived its launcher. The sweep
+# killed outright (SIGKILL) reaches it as SIGTERM (PR_SET_PDEATHSIG).
 # Exit status: the command's, or 128 + the signal's number.
 read -r -d '' runner <<'EOF'
 import ctypes, os, select, signal, stat, subprocess, sys, time
 
-log, argv = sys.argv[1], sys.argv[2:]
+sweep, log, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
 stop = []
 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
     signal.signal(s, lambda signum, frame: stop.append(signum))
-ctypes.CDLL(None, use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+libc = ctypes.CDLL(None, use_errno=True)
+libc.prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+if os.getppid() != sweep:  # the sweep died before that
+    stop.append(signal.SIGTERM)
 
 
 def descendants():
@@ -363,7 +368,7 @@ run_one() {
     [ -z "$interrupted" ] || { outcome=interrupted; return; }
     printf '%s ... ' "$label" 2> /dev/null  # a reader that left: SIGPIPE says so, once
     start=$(date +%s)
-    python3 -c "$runner" "$log" "$@" &
+    python3 -c "$runner" "$$" "$log" "$@" &
     row_pid=$!
     [ -z "$interrupted" ] || kill -TERM "$row_pid" 2>/dev/null  # a signal between its start and row_pid
     while :; do

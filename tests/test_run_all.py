@@ -299,46 +299,62 @@ def test_two_sweeps_started_in_the_same_second_get_folders_of_their_own(stub_swe
 
 def alive(pid):
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
         return False
+    return fields[0] != "Z"
+
+
+def parent(pid):
     with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
-@pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM", "reader left"])
+@pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM", "reader left", "SIGKILL"])
 def test_a_signal_ends_the_sweep_and_its_running_ranks_within_seconds_and_reports_what_finished(stub_sweep, tmp_path, how):
     """The real torchrun (its ranks in sessions of their own) on 2 processes of a stub
     that hangs; Ctrl-C is SIGINT to the terminal's process group, SIGTERM to the sweep,
-    and a reader that left (`| head`) closes the sweep's output."""
+    a reader that left (`| head`) closes the sweep's output; a sweep killed outright can
+    say nothing, but its ranks still end."""
     (stub_sweep / "machine.json").write_text("[0, 0, \"none\"]")
     (stub_sweep / "stub.json").write_text(json.dumps({"hang": ["fsdp"]}))
     out = tmp_path / "out"
+    stdout_file, stderr_file = open(tmp_path / "stdout", "w+"), open(tmp_path / "stderr", "w+")
     proc = subprocess.Popen(["bash", "run_all.sh", "--strategies", "ddp,fsdp", "--gpus", "2", "--simulate", "none", "--out", str(out)],
-                            cwd=stub_sweep, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            cwd=stub_sweep, stdout=subprocess.PIPE if how == "reader left" else stdout_file, stderr=stderr_file, text=True,
+                            start_new_session=True)
+    ranks, launcher = [], []
     try:
         deadline = time.monotonic() + 120
-        while len(list(stub_sweep.glob("hung.*"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        while len(ranks) < 2 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.1)  # until both ranks of fsdp x2 hang
-        ranks = [int(p.suffix[1:]) for p in stub_sweep.glob("hung.*")]
-        assert len(ranks) == 2 and proc.poll() is None, proc.communicate()
+            ranks = [int(p.suffix[1:]) for p in stub_sweep.glob("hung.*")]
+        assert len(ranks) == 2 and proc.poll() is None, (tmp_path / "stdout").read_text() + (tmp_path / "stderr").read_text()
+        launcher = [parent(ranks[0])]  # torchrun
         start = time.monotonic()
         if how == "Ctrl-C":
             os.killpg(proc.pid, signal.SIGINT)
-        elif how == "SIGTERM":
-            proc.send_signal(signal.SIGTERM)
+        elif how in ("SIGTERM", "SIGKILL"):
+            proc.send_signal(getattr(signal, how))
         else:
             proc.stdout.close()
-        stderr = proc.stderr.read()
         proc.wait(timeout=30)
+        while [pid for pid in ranks + launcher if alive(pid)] and time.monotonic() < start + 30:
+            time.sleep(0.1)
         seconds = time.monotonic() - start
-        stdout = "" if how == "reader left" else proc.stdout.read()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+        for pid in ranks + launcher:  # a sweep that failed to end them must not leave them behind
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert seconds < 15 and not [pid for pid in ranks + launcher if alive(pid)], (seconds, ranks, launcher)
+    if how == "SIGKILL":
+        return
+    stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
     name, code = {"Ctrl-C": ("SIGINT", 130), "SIGTERM": ("SIGTERM", 143), "reader left": ("SIGPIPE", 141)}[how]
-    assert proc.returncode == code and seconds < 15, (proc.returncode, seconds, stderr)
-    assert not [pid for pid in ranks if alive(pid)], ranks
+    assert proc.returncode == code, (proc.returncode, stderr)
     lines = stderr.splitlines()
     assert len(lines) == 1 and re.fullmatch(rf"run_all.sh: {name} during \[2/2\]: 1 of 2 runs finished \(ddp x2\); the table below is theirs",
                                             lines[0]), stderr
