@@ -104,6 +104,14 @@ def value(argv, flag):
     return argv[argv.index(flag) + 1]
 
 
+def fewest_micro_batches(batch, pp, stages_per_rank):
+    """The rule a pipeline's micro-batches follow: the fewest that split its batch, one at
+    least for each of its pp ranks, and bring the ideal bubble, (p-1)/(v·m+p-1), to 10%;
+    else one sample each."""
+    split = [m for m in range(pp, batch + 1) if batch % m == 0]
+    return next((m for m in split if 100 * (pp - 1) / (stages_per_rank * m + pp - 1) <= 10), split[-1])
+
+
 def table_md_rows(path):
     """The data rows of a GitHub-style Markdown table, as lists of cell strings."""
     lines = [line for line in open(path) if line.startswith("|")][2:]  # skip header and rule
@@ -134,9 +142,10 @@ def test_every_row_runs_the_batch_and_flags_it_announces_on_gpus(stub_sweep):
             measured_flags[script, n] = flags or ""
         if kind == " float8":  # the strategy's own settings, as its bf16 row ran them, and float8
             assert (flags or "") == f"{measured_flags[script, n]} --float8 rowwise".strip(), (script, n, flags)
-        if script in ("pipeline", "hybrid"):  # a micro-batch count that splits each pipeline's batch
-            dp = n // int(value(argv, "--pp")) if script == "hybrid" else 1
-            assert int(batch) // dp % int(value(argv, "--micro-batches")) == 0
+        if script in ("pipeline", "hybrid"):  # the fewest micro-batches that make the bubble small, as the run got them
+            pp = int(value(argv, "--pp")) if script == "hybrid" else n
+            per_rank = int(value(argv, "--stages-per-rank")) if "--stages-per-rank" in argv else 1
+            assert int(value(argv, "--micro-batches")) == fewest_micro_batches(int(batch) // (n // pp), pp, per_rank), (script, n, argv)
     # The table shows each row's flags as its record's config has them, and the batch of the job.
     table = table_md_rows(stub_sweep / "results" / os.listdir(stub_sweep / "results")[0] / "table.md")
     shown = {(row[0].replace("single-GPU baseline", "ddp"), int(row[1])): row for row in table if "predicted" not in row[0]}
