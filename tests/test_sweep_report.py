@@ -7,7 +7,6 @@ import math
 import os
 import random
 import re
-import stat
 
 import pytest
 
@@ -263,7 +262,7 @@ def test_a_bad_argument_is_refused_in_one_line(tmp_path, capsys, argv, cause):
     assert "Traceback" not in out and {p: p.read_bytes() for p in folder.iterdir()} == before
 
 
-def test_a_folder_that_cannot_be_read_or_written_is_named_with_what_to_do(tmp_path, capsys):
+def test_a_folder_that_cannot_be_read_or_written_is_named_with_what_to_do(tmp_path, capsys, monkeypatch):
     folder = sweep_folder(tmp_path)
     # A report file that cannot be written (a folder in its place): the hint says where else.
     (folder / "table.md").mkdir()
@@ -271,20 +270,17 @@ def test_a_folder_that_cannot_be_read_or_written_is_named_with_what_to_do(tmp_pa
     assert code == 2 and len(err) == 1 and "--into DIR" in err[0] and "table.md" in err[0], err
     assert report([str(folder), "--into", str(tmp_path / "docs")], capsys)[0] == 0
     assert (tmp_path / "docs" / "REPORT.md").exists() and (tmp_path / "docs" / "results.jsonl").read_bytes() == (folder / "results.jsonl").read_bytes()
-    if os.geteuid() == 0:
-        pytest.skip("permissions do not bind root: the read-only folder and unreadable file cases need another user")
-    (folder / "table.md").rmdir()
-    folder.chmod(stat.S_IRUSR | stat.S_IXUSR)
-    try:
-        code, _, err = report([str(folder)], capsys)
-        assert code == 2 and len(err) == 1 and "is not writable: write the table and report elsewhere with --into DIR" in err[0], err
-        folder.chmod(stat.S_IRWXU)
-        (folder / "results.jsonl").chmod(0)
-        code, _, err = report([str(folder)], capsys)
-        assert code == 2 and len(err) == 1 and "results.jsonl cannot be read" in err[0], err
-    finally:
-        folder.chmod(stat.S_IRWXU)
-        (folder / "results.jsonl").chmod(stat.S_IRUSR | stat.S_IWUSR)
+    # A folder this user may not write (permissions do not bind root, so the check is told so).
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: access(path, mode) and not (str(path) == str(folder) and mode & os.W_OK))
+    code, _, err = report([str(folder)], capsys)
+    assert code == 2 and len(err) == 1 and err[0].endswith(f"{folder} is not writable: write the table and report elsewhere with --into DIR"), err
+    monkeypatch.undo()
+    # A results file that cannot be read.
+    (folder / "results.jsonl").unlink()
+    (folder / "results.jsonl").mkdir()
+    code, _, err = report([str(folder), "--into", str(tmp_path / "docs")], capsys)
+    assert code == 2 and len(err) == 1 and err[0].endswith("results.jsonl cannot be read: Is a directory"), err
 
 
 def damaged_lines(line):
@@ -320,6 +316,13 @@ def test_every_kind_of_damaged_line_is_named_and_left_out_and_the_rest_reported(
             if not sweep_report.KINDS[sweep_report.FAILURE_FIELDS[name]][0](wrong)]]
     else:
         cases = list(damaged_lines(good))
+    if file == "simulated.jsonl":  # what a prediction reads besides: its rank, its bytes, its schedule
+        for name in ("simulated_rank", "comm_per_step", *sweep_report.SIMULATED_BY_STRATEGY["pipeline"]):
+            cases += [(f"no {name}", json.dumps({k: v for k, v in good.items() if k != name}).encode()),
+                      (f"{name} = 'x'", json.dumps({**good, name: "x"}).encode())]
+        cases += [("rank past the world", json.dumps({**good, "simulated_rank": good["world_size"]}).encode()),
+                  ("a model that is no preset", json.dumps({**good, "model": "huge"}).encode()),
+                  ("an action that is none", json.dumps({**good, "pipeline_order": {"0": ["X0:0"]}}).encode())]
     intact = (folder / file).read_bytes()
     for what, damaged in cases:
         (folder / file).write_bytes(intact + damaged + b"\n" + intact)
