@@ -43,8 +43,9 @@
 # --activation-checkpointing. Each row says its batch and flags. With no GPU, the sweep
 # runs the tiny model in 1-2 CPU processes on gloo, to show the whole flow in a few
 # minutes. Every run gets OMP_NUM_THREADS=1, whatever the environment says, so that all
-# rows compare alike. Ctrl-C or SIGTERM ends the sweep and the running row's processes
-# within seconds, and writes the table of what finished. Exit status: 0; 1 where a row
+# rows compare alike. Ctrl-C (or SIGTERM, SIGHUP, SIGQUIT, a reader of its output that
+# left) ends the sweep and the running row's processes within seconds, and writes the
+# table of what finished. Exit status: 0; 1 where a row
 # failed (other than running out of memory: that is a row's answer) or the report left
 # a damaged line out; 2 for a refused option; 128 + the signal's number when interrupted.
 set -uo pipefail
@@ -78,6 +79,7 @@ counts='^[1-9][0-9]{0,8}(,[1-9][0-9]{0,8})*$'
 trap 'echo "run_all.sh: interrupted before any run" >&2; exit 130' INT
 trap 'echo "run_all.sh: terminated before any run" >&2; exit 143' TERM
 trap 'echo "run_all.sh: hung up before any run" >&2; exit 129' HUP
+trap 'echo "run_all.sh: quit before any run" >&2; exit 131' QUIT
 
 # Lower-case names throughout: every setting starts here or from a flag, never from the environment.
 default_simulate='' model='' steps='' seq_len='' strategies='' gpus='' global_batch=8 out='' strong=false cpu=0 simulate='' link_args=() compile=''
@@ -356,6 +358,7 @@ on_signal() {
 trap 'on_signal SIGINT' INT
 trap 'on_signal SIGTERM' TERM
 trap 'on_signal SIGHUP' HUP
+trap 'on_signal SIGQUIT' QUIT
 trap 'on_signal SIGPIPE' PIPE
 
 finished=() failed_rows=0 outcome=''
@@ -495,7 +498,7 @@ if [ "$failed_rows" != 0 ]; then
     echo "run_all.sh: $failed_rows of $rows rows failed (their lines above say why)" >&2
     status=1
 fi
-case $interrupted in SIGINT) status=130 ;; SIGTERM) status=143 ;; SIGHUP) status=129 ;; SIGPIPE) status=141 ;; esac
+case $interrupted in SIGINT) status=130 ;; SIGTERM) status=143 ;; SIGHUP) status=129 ;; SIGQUIT) status=131 ;; SIGPIPE) status=141 ;; esac
 if [ -z "$interrupted" ] && [ "$device" = cuda ] && [ "$n_gpus" = 1 ] && [ ${#sim_list[@]} = 0 ]; then
     echo "One GPU here: bash run_all.sh --simulate 2,4,8 predicts 2, 4 and 8 GPUs from it, each rank of those runs measured on this one (README, 'Predicting')."
 fi

@@ -138,6 +138,8 @@ def read_lines(path, kind):
     missing file holds no lines; one that cannot be read is an InputError."""
     if not os.path.lexists(path):
         return [], []
+    if os.path.exists(path) and not os.path.isfile(path):  # a folder, a FIFO (whose read would wait forever), a device
+        raise InputError(f"{path} is not a file of results lines")
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -1390,7 +1392,7 @@ def main(argv=None):
             if args.out or args.into:
                 parser.error("--best names its folder itself: --best OUT SCRIPT N BATCH")
             return best(args)
-        if args.out is None:
+        if not args.out:
             parser.error("name the sweep's results folder: python3 sweep_report.py OUT")
         return report(args)
     except InputError as e:

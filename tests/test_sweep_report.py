@@ -231,6 +231,8 @@ BAD_ARGUMENTS = [
     ([], "name the sweep's results folder"),
     (["{tmp}/missing"], "no such folder"),
     (["{tmp}/sweep/results.jsonl"], "is not a folder"),
+    ([""], "name the sweep's results folder"),
+    (["{tmp}/fifo"], "fifo/results.jsonl is not a file of results lines"),
     (["{tmp}/sweep", "--intra-gbps", "-5"], "--intra-gbps: '-5' is not a finite number above 0"),
     (["{tmp}/sweep", "--intra-gbps", "0"], "--intra-gbps: '0' is not a finite number above 0"),
     (["{tmp}/sweep", "--inter-gbps", "nan"], "--inter-gbps: 'nan' is not a finite number above 0"),
@@ -256,6 +258,8 @@ BAD_ARGUMENTS = [
 def test_a_bad_argument_is_refused_in_one_line(tmp_path, capsys, argv, cause):
     folder = sweep_folder(tmp_path)
     (tmp_path / "empty").mkdir()
+    (tmp_path / "fifo").mkdir()
+    os.mkfifo(tmp_path / "fifo" / "results.jsonl")  # a read would wait for a writer forever
     before = {p: p.read_bytes() for p in folder.iterdir()}
     code, out, err = report([a.format(tmp=tmp_path) for a in argv], capsys)
     assert code == 2 and len(err) == 1 and cause in err[0] and err[0].startswith("sweep_report.py: "), (code, err)
