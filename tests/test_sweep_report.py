@@ -193,13 +193,21 @@ def test_the_verdict_ranks_each_count_by_samples_per_second(tmp_path):
     assert sweep_report.verdict_lines(*sweep_report.load(tmp_path)[:4])[0].startswith("2 GPUs, tiny, global batch 16 (measured): ddp")
 
 
-def test_the_report_and_table_end_with_the_verdict(tmp_path, capsys):
-    write(tmp_path, [record("ddp", 1, 10.0), record("fsdp", 2, 30.0, 16), record("ddp", 2, 20.0, 16)])
+def test_the_report_and_table_end_with_the_verdict_and_count_processes_on_cpu_and_gpus_on_gpus(tmp_path, capsys):
+    records = [record("ddp", 1, 10.0), record("fsdp", 2, 30.0, 16), record("ddp", 2, 20.0, 16)]
+    write(tmp_path, records)
     assert sweep_report.main([str(tmp_path)]) == 0
     verdict = "2 processes, tiny, global batch 16 (measured): fsdp 30.00 samples/s (3.00x, 1.00 GiB), ddp 20.00 samples/s (2.00x, 1.00 GiB)"
     assert (tmp_path / "table.md").read_text().rstrip().endswith(verdict)
     assert (tmp_path / "REPORT.md").read_text().rstrip().endswith(verdict)
     assert verdict in capsys.readouterr().out
+    assert (tmp_path / "table.md").read_text().startswith("| strategy            | processes ")
+    assert sweep_report.figures(*sweep_report.load(tmp_path)[:4])["speedup"]["gpus"] is False
+    write(tmp_path, [{**r, "gpu_name": "NVIDIA H100 80GB HBM3"} for r in records])
+    assert sweep_report.main([str(tmp_path)]) == 0
+    assert (tmp_path / "table.md").read_text().startswith("| strategy            | GPUs ")
+    assert (tmp_path / "table.md").read_text().rstrip().endswith(verdict.replace("processes", "GPUs"))
+    assert sweep_report.figures(*sweep_report.load(tmp_path)[:4])["speedup"]["gpus"] is True
 
 
 # ----------------------------------------------------------------------------
