@@ -288,11 +288,15 @@ def test_a_folder_that_cannot_be_read_or_written_is_named_with_what_to_do(tmp_pa
     code, _, err = report([str(folder)], capsys)
     assert code == 2 and len(err) == 1 and err[0].endswith(f"{folder} is not writable: write the table and report elsewhere with --into DIR"), err
     monkeypatch.undo()
-    # A results file that cannot be read.
+    # A results file that cannot be read: a link to itself, and a folder in its place.
+    (folder / "results.jsonl").unlink()
+    (folder / "results.jsonl").symlink_to("results.jsonl")
+    code, _, err = report([str(folder), "--into", str(tmp_path / "docs")], capsys)
+    assert code == 2 and len(err) == 1 and err[0].endswith("results.jsonl cannot be read: Too many levels of symbolic links"), err
     (folder / "results.jsonl").unlink()
     (folder / "results.jsonl").mkdir()
     code, _, err = report([str(folder), "--into", str(tmp_path / "docs")], capsys)
-    assert code == 2 and len(err) == 1 and err[0].endswith("results.jsonl cannot be read: Is a directory"), err
+    assert code == 2 and len(err) == 1 and err[0].endswith("results.jsonl is not a file of results lines"), err
 
 
 def damaged_lines(line):
