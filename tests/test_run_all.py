@@ -1,14 +1,20 @@
-"""run_all.sh and sweep_report.py. The table's maths on hostile input, from made-up
-records; the options the sweep refuses; a folder of its own for every sweep, whatever the
-environment says; and one CPU sweep end to end: the table must be the figures its runs
-wrote, a failing run must be reported and the sweep go on, every row with the same threads."""
+"""run_all.sh. Against stub scripts (tests/stub_scripts: they record their argv and write
+a made-up results line) on a machine described to it (a stand-in torch): every row runs
+exactly the batch and flags it announces, every strategy at a count on the same batch,
+the settings measured the fastest tried; every bad option refused in one line before
+any run; a signal ends the sweep, its running row's ranks included, and the table of
+what finished is written. Then one CPU sweep of the real scripts end to end."""
 
+import ast
 import json
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
@@ -16,180 +22,94 @@ import common
 import sweep_report
 from harness import ROOT
 
-
-def record(strategy, world_size, samples_per_sec, global_batch_size=8, **extra):
-    """A results line as the scripts write it, with only the fields the table reads."""
-    return {"strategy": strategy, "world_size": world_size, "global_batch_size": global_batch_size, "samples_per_sec": samples_per_sec,
-            "mfu": None, "peak_mem_gib": 1.0, "mem_pct": 10.0, "comm_pct": None, **extra}
-
-
-def failure(script, world_size, global_batch_size=8):
-    """A failures line as run_all.sh writes it: the script's name, not the record's."""
-    return {"strategy": script, "world_size": world_size, "global_batch_size": global_batch_size, "error": "error: out of memory", "log": "x.log"}
+STUBS = Path(__file__).parent / "stub_scripts"
+STRATEGIES = ["ddp", "model_parallel", "pipeline", "hybrid", "fsdp", "tensor_parallel", "context_parallel"]
+# The flags every run of a sweep gets, and how many values each takes; the rest of a run's argv is its row's own.
+COMMON_FLAGS = {"--model": 1, "--steps": 1, "--global-batch-size": 1, "--seq-len": 1, "--device": 1, "--num-workers": 1, "--results": 1,
+                "--profile": 1, "--simulate": 1, "--simulate-rank": 1, "--compile": 0, "--count-comm": 0}
+ANNOUNCED = re.compile(r"^\[(\d+)/(\d+)\] (\S+) x(\d+)( simulated rank \d+| float8)?, global batch (\d+)(?:: ([^(]*?))?(?: \(([^)]*)\))? \.\.\. (.*)$")
 
 
-def rows_of(tmp_path, records, failures=()):
-    """The table sweep_report makes of these lines, as {(strategy, GPUs): row}, and its row order."""
-    for name, lines in (("results.jsonl", records), ("failures.jsonl", failures)):
-        (tmp_path / name).write_text("".join(json.dumps(line) + "\n" for line in lines))
-    rows = sweep_report.table_rows(*sweep_report.load(tmp_path))
-    return {(row[0], int(row[1])): row for row in rows}, [(row[0], int(row[1])) for row in rows]
+# What sweep_report and run_all.sh read of each module, which the stand-in torch cannot import.
+TORCHLESS = {"common": {"ModelConfig", "PRESETS", "flops_per_token", "number", "positive", "positive_float"},
+             "pipeline_train": {"stages_of_rank", "theoretical_bubble_pct", "ZERO_BUBBLE"}}
 
 
-def test_the_baseline_is_ddp_at_one_gpu_wherever_it_sits(tmp_path):
-    rows, _ = rows_of(tmp_path, [record("pipeline", 1, 50.0), record("ddp", 2, 150.0, 16), record("tp", 2, 40.0), record("ddp", 1, 100.0)])
-    # Speedup and efficiency against ddp x1's 100 samples/s, not the pipeline's 50.
-    assert [rows[key][4:6] for key in [("single-GPU baseline", 1), ("ddp", 2), ("pipeline", 1), ("tp", 2)]] == [
-        ["1.00x", "100%"], ["1.50x", "75%"], ["0.50x", "50%"], ["0.40x", "20%"]]
-
-
-def test_without_a_baseline_there_is_no_speedup(tmp_path):
-    rows, _ = rows_of(tmp_path, [record("pipeline", 1, 50.0), record("ddp", 2, 150.0, 16)])
-    assert [row[4:6] for row in rows.values()] == [["-", "-"], ["-", "-"]]
-    # A baseline that failed is no baseline either.
-    rows, _ = rows_of(tmp_path, [record("ddp", 2, 150.0, 16)], [failure("ddp", 1)])
-    assert rows["single-GPU baseline", 1][3:6] == ["failed: error: out of memory", "-", "-"] and rows["ddp", 2][4:6] == ["-", "-"]
-
-
-def test_a_run_that_appears_twice_shows_once_by_its_newest_line(tmp_path):
-    rows, order = rows_of(tmp_path, [record("ddp", 1, 100.0), record("ddp", 2, 120.0, 16), record("ddp", 2, 180.0, 16)])
-    assert order == [("single-GPU baseline", 1), ("ddp", 2)]
-    assert rows["ddp", 2][3:5] == ["180.00", "1.80x"]
-
-
-def test_a_failed_run_shows_as_failed_not_as_zero(tmp_path):
-    # fsdp x2 also wrote figures before it failed: it still shows once, as failed.
-    rows, order = rows_of(tmp_path, [record("ddp", 1, 100.0), record("fsdp", 2, 90.0, 16)], [failure("fsdp", 2, 16), failure("tensor_parallel", 2)])
-    assert order == [("single-GPU baseline", 1), ("fsdp", 2), ("tp", 2)]
-    for key in [("fsdp", 2), ("tp", 2)]:
-        assert rows[key][3:] == ["failed: error: out of memory", "-", "-", "-", "-", "-", "-"]
-
-
-def test_rows_come_in_the_articles_order_whatever_the_input_order(tmp_path):
-    records = [record("zeta", 1, 1.0), record("tp", 2, 1.0), record("fsdp", 2, 1.0, 16), record("alpha", 2, 1.0), record("hybrid", 2, 1.0, 8),
-               record("ddp", 2, 1.0, 16), record("pipeline", 2, 1.0), record("model_parallel", 2, 1.0), record("ddp", 1, 1.0), record("alpha", 1, 1.0)]
-    _, order = rows_of(tmp_path, records, [failure("tensor_parallel", 1), failure("model_parallel", 1)])
-    assert order == [("single-GPU baseline", 1), ("ddp", 2), ("model_parallel", 1), ("model_parallel", 2), ("pipeline", 2), ("hybrid", 2),
-                     ("fsdp", 2), ("tp", 1), ("tp", 2), ("alpha", 1), ("alpha", 2), ("zeta", 1)]
-
-
-def test_a_step_splits_into_what_its_results_line_measured():
-    parts = {"data": 1.0, "to_optimizer": 7.0, "optimizer": 2.0}
-    # DDP measured 3 s of exposed communication apart: compute is the rest of the span.
-    split = sweep_report.step_split(record("ddp", 2, 1.0, step_seconds=10.0, step_parts_seconds=parts, comm_seconds=3.0))
-    assert split == {"data": 1.0, "compute": 3.0, "comm": 3.0, "bubble": None, "optimizer": 2.0, "rest": 1.0}
-    # One GPU communicates nothing; elsewhere unmeasured communication is no figure (it sits in compute).
-    assert sweep_report.step_split(record("ddp", 1, 1.0, step_seconds=10.0, step_parts_seconds=parts))["comm"] == 0.0
-    assert sweep_report.step_split(record("fsdp", 2, 1.0, step_seconds=10.0, step_parts_seconds=parts))["compute"] == 6.0
-    # A pipeline's ranks were busy 40% of the step, 2 s of it in the optimizer: the span's other 4 s are the bubble.
-    split = sweep_report.step_split(record("pipeline", 2, 1.0, step_seconds=10.0, step_parts_seconds=parts, utilisation_pct=40.0))
-    assert split == {"data": 1.0, "compute": 2.0, "comm": None, "bubble": 4.0, "optimizer": 2.0, "rest": 1.0}
-    assert sweep_report.step_split(record("tp", 2, 1.0, step_seconds=10.0)) is None  # a line from before the split
-
-
-def test_a_sweep_folder_copied_off_its_machine_still_links_its_profiles(tmp_path, monkeypatch):
-    # A GPU box's sweep, copied here: its lines name the folders it profiled into over there.
-    (tmp_path / "profiles" / "ddp_x1").mkdir(parents=True)
-    (tmp_path / "profiles" / "ddp_x1" / "ops_rank0.txt").write_text("aten::mm\n")
-    line = record("ddp", 1, 1.0, model="tiny", params=1, seq_len=8, losses=[1.0], start_step=0, step_seconds=1.0, gpu_name=None, device="cpu", config={"profile": "/root/out/sweep/profiles/ddp_x1"})
-    (tmp_path / "results.jsonl").write_text(json.dumps(line) + "\n")
-    monkeypatch.setattr(sweep_report, "_pyplot", lambda: None)
-    sweep_report.write_report(tmp_path, *sweep_report.load(tmp_path), (*sweep_report.link_bandwidth(None)[:2], 8), "TABLE", [])
-    assert "| ddp x1 | not here | [ops_rank0.txt](profiles/ddp_x1/ops_rank0.txt) |" in (tmp_path / "REPORT.md").read_text()
-
-
-def test_a_float8_run_is_a_row_of_its_own_after_its_strategy(tmp_path):
-    float8 = record("ddp", 1, 150.0, config={"float8": "tensorwise"})
-    rows, order = rows_of(tmp_path, [float8, record("fsdp", 1, 90.0), record("ddp", 1, 100.0)], [{**failure("fsdp", 1), "float8": "rowwise"}])
-    assert order == [("single-GPU baseline", 1), ("ddp float8 tensorwise", 1), ("fsdp", 1), ("fsdp float8 rowwise", 1)]
-    # Against the bf16 baseline, not its own.
-    assert rows["ddp float8 tensorwise", 1][4] == "1.50x" and rows["fsdp float8 rowwise", 1][3].startswith("failed")
+def torchless(module):
+    """The parts of a module that sweep_report and run_all.sh read, without torch (the
+    stand-in torch has nothing else): taken from the module's own source."""
+    source = (ROOT / f"{module}.py").read_text()
+    wanted = TORCHLESS[module]
+    lines, parts = source.splitlines(), ["import argparse\nimport math\nfrom dataclasses import dataclass, replace\n"]
+    for node in ast.parse(source).body:
+        targets = getattr(node, "targets", [])
+        names = {getattr(node, "name", None)} | {getattr(t, "id", None) for t in targets} | {getattr(getattr(t, "value", None), "id", None) for t in targets}
+        if names & wanted:
+            start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+            parts.append("\n".join(lines[start - 1:node.end_lineno]))
+    return "\n\n".join(parts) + "\n"
 
 
 @pytest.fixture
-def sweep_dir(tmp_path):
-    """A copy of the sweep whose only strategy, ddp_train.py, leaves a file "ran" if it is run."""
+def stub_sweep(tmp_path):
+    """A copy of the sweep whose scripts are stubs, its torchrun one process, its torch a stand-in."""
     folder = tmp_path / "sweep"
     folder.mkdir()
-    for name in ("run_all.sh", "sweep_report.py", "common.py"):
+    for name in ("run_all.sh", "sweep_report.py"):
         shutil.copy(ROOT / name, folder)
-    (folder / "ddp_train.py").write_text("open('ran', 'w').close()\n")
-    (folder / "taken").mkdir()
-    (folder / "taken" / "results.jsonl").write_text("{}\n")
+    shutil.copytree(STUBS / "torch", folder / "torch")
+    (folder / "common.py").write_text(torchless("common"))
+    stub = (STUBS / "stub_train.py").read_text()
+    for script in STRATEGIES:  # pipeline_train.py also holds the helpers sweep_report imports from it
+        (folder / f"{script}_train.py").write_text(torchless(f"{script}_train") + "\n\n" + stub if f"{script}_train" in TORCHLESS else stub)
+    (folder / "bin").mkdir()
+    shutil.copy(STUBS / "torchrun", folder / "bin" / "torchrun")
+    (folder / "bin" / "torchrun").chmod(stat.S_IRWXU)
     return folder
 
 
-def files_under(folder):
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if "__pycache__" not in p.parts)
+def run_sweep(folder, *args, gpus=(0, 0, "none"), knobs=None, stub_torchrun=True, env=None, timeout=120):
+    """bash run_all.sh ARGS in a stub sweep on a machine of gpus = (count, GiB, name).
+    Returns (CompletedProcess, the runs: [(announced fields, argv the stub got)])."""
+    (folder / "machine.json").write_text(json.dumps(list(gpus)))
+    (folder / "stub.json").write_text(json.dumps(knobs or {}))
+    (folder / "argv.jsonl").unlink(missing_ok=True)
+    path = f"{folder / 'bin'}:{os.environ['PATH']}" if stub_torchrun else os.environ["PATH"]
+    proc = subprocess.run(["bash", "run_all.sh", *args], cwd=folder, env={**os.environ, "PATH": path, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+    return proc, runs_of(folder, proc.stdout)
 
 
-# Each bad option, and what its one line must say is accepted.
-BAD_OPTIONS = [
-    (["--model", "huge"], ",".join(common.PRESETS)),
-    (["--steps", "0"], "positive whole number"),
-    (["--steps", "x"], "positive whole number"),
-    (["--gpus", "1,x"], "positive counts"),
-    (["--gpus", "0"], "positive counts"),
-    (["--strategies", "ddp,nope"], "accepted: ddp"),
-    (["--global-batch-size", "-1"], "positive whole number"),
-    (["--out", "taken"], "new or empty"),
-    (["--model"], "needs a value"),
-    (["--float8", "e4m3"], "tensorwise or rowwise"),
-    (["--seq-len", "65"], "tiny preset's context of 64"),
-]
+def runs_of(folder, stdout):
+    """Each run's announcement paired with the argv its script got (they run one after another)."""
+    announced = [m.groups() for m in map(ANNOUNCED.match, stdout.splitlines()) if m and not m[9].startswith("skipped")]
+    argvs = [json.loads(line) for line in open(folder / "argv.jsonl")] if (folder / "argv.jsonl").exists() else []
+    assert len(announced) == len(argvs), (stdout, argvs)
+    return list(zip(announced, argvs))
 
 
-@pytest.mark.parametrize("args, accepted", BAD_OPTIONS, ids=[" ".join(args) for args, _ in BAD_OPTIONS])
-def test_a_bad_option_is_refused_in_one_line_before_anything_runs(sweep_dir, args, accepted):
-    before = files_under(sweep_dir)
-    proc = subprocess.run(["bash", "run_all.sh", "--cpu", *args], cwd=sweep_dir, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1, proc.stdout + proc.stderr
-    assert proc.stderr.startswith(f"run_all.sh: {' '.join(args)}") and accepted in proc.stderr, proc.stderr
-    assert files_under(sweep_dir) == before  # no results folder, no run
+def own_flags(argv):
+    """What a run's argv holds beyond the flags every run of the sweep gets."""
+    own, args = [], list(argv)
+    while args:
+        flag = args.pop(0)
+        if flag in COMMON_FLAGS:
+            del args[:COMMON_FLAGS[flag]]
+        else:
+            own.append(flag)
+    return " ".join(own)
 
 
-def no_run_sweep(folder, env, count=1):
-    """`count` sweeps at once that plan nothing but skips (3 processes, where the CPU
-    fallback allows 2): each makes its folder and its (empty) table, quickly."""
-    procs = [subprocess.Popen(["bash", "run_all.sh", "--cpu", "--strategies", "ddp", "--gpus", "3"], cwd=folder, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(count)]
-    outputs = [proc.communicate(timeout=120) for proc in procs]
-    for proc, (stdout, stderr) in zip(procs, outputs):
-        assert proc.returncode == 0, stdout + stderr
-        assert "[1/1] ddp x3 ... skipped (only 2 processes here)" in stdout, stdout
-    return [stdout for stdout, _ in outputs]
+def value(argv, flag):
+    return argv[argv.index(flag) + 1]
 
 
-def test_float8_adds_a_run_of_every_row_and_compile_reaches_every_run(sweep_dir):
-    (sweep_dir / "ddp_train.py").write_text("import json, sys\nopen('argv.jsonl', 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
-    proc = subprocess.run(["bash", "run_all.sh", "--cpu", "--strategies", "ddp", "--gpus", "1", "--simulate", "none",
-                           "--compile", "--float8", "rowwise"], cwd=sweep_dir, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    runs = [json.loads(line) for line in open(sweep_dir / "argv.jsonl")]
-    assert len(runs) == 2 and all("--compile" in argv for argv in runs), runs
-    assert ["--float8" in argv for argv in runs] == [False, True] and runs[1][runs[1].index("--float8") + 1] == "rowwise"
-
-
-def test_two_sweeps_started_in_the_same_second_get_folders_of_their_own(sweep_dir):
-    # A clock stuck on one second, for both sweeps.
-    fake_bin = sweep_dir / "bin"
-    fake_bin.mkdir()
-    (fake_bin / "date").write_text("#!/bin/sh\necho 20250101-000000\n")
-    (fake_bin / "date").chmod(stat.S_IRWXU)
-    no_run_sweep(sweep_dir, {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"}, count=2)
-    folders = sorted((sweep_dir / "results").iterdir())
-    assert len(folders) == 2 and all(f.name.startswith("20250101-000000-") and (f / "table.md").exists() for f in folders), folders
-
-
-def test_exported_out_and_model_do_not_steer_the_sweep(sweep_dir, tmp_path):
-    elsewhere = tmp_path / "elsewhere"
-    env = {**os.environ, "OUT": str(elsewhere), "out": str(elsewhere), "MODEL": "350m", "model": "350m", "STEPS": "7", "SCALING": "strong"}
-    [stdout] = no_run_sweep(sweep_dir, env)
-    assert "model tiny in 1-2 gloo processes, weak scaling, 10 steps per run" in stdout.splitlines()[0]
-    assert not elsewhere.exists()
-    [folder] = (sweep_dir / "results").iterdir()
-    assert (folder / "table.md").exists()
+def fewest_micro_batches(batch, pp, stages_per_rank):
+    """The rule a pipeline's micro-batches follow: the fewest that split its batch, one at
+    least for each of its pp ranks, and bring the ideal bubble, (p-1)/(v·m+p-1), to 10%;
+    else one sample each."""
+    split = [m for m in range(pp, batch + 1) if batch % m == 0]
+    return next((m for m in split if 100 * (pp - 1) / (stages_per_rank * m + pp - 1) <= 10), split[-1])
 
 
 def table_md_rows(path):
@@ -198,106 +118,312 @@ def table_md_rows(path):
     return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines]
 
 
+def test_every_row_runs_the_batch_and_flags_it_announces_on_gpus(stub_sweep):
+    proc, runs = run_sweep(stub_sweep, "--float8", "rowwise", "--global-batch-size", "4", gpus=(2, 80, "NVIDIA H100 80GB HBM3"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "model 2.5b, 20 steps per run, compiled" in proc.stdout.splitlines()[0]
+    kinds = {(fields[2], fields[4] or "") for fields, _ in runs}
+    # Every strategy measured at 1 and 2 GPUs, predicted at 2, with a float8 twin of each measured row.
+    assert {s for s, _ in kinds} == set(STRATEGIES) and {k.split(" rank")[0] for _, k in kinds} == {"", " simulated", " float8"}
+    measured_flags = {}
+    for (_, _, script, n, kind, batch, flags, note, outcome), got in runs:
+        argv, n, kind = got["argv"], int(n), kind or ""
+        assert outcome.endswith(" s") and got["script"] == script, (script, n, kind, outcome)
+        # One job per count: every strategy at n GPUs trains 4 x n, and says so.
+        assert int(batch) == 4 * n and value(argv, "--global-batch-size") == batch
+        # Exactly the flags it announces, beyond those every run gets; compiled, the baseline included.
+        assert own_flags(argv) == (flags or ""), (script, n, kind, argv)
+        assert "--compile" in argv and value(argv, "--model") == "2.5b"
+        if kind.startswith(" simulated"):
+            assert value(argv, "--simulate") == str(n) and got["world"] == n
+        else:  # the report draws every measured row's bytes
+            assert got["world"] == n and "--simulate" not in argv and "--count-comm" in argv
+        if kind == "":
+            measured_flags[script, n] = flags or ""
+        if kind == " float8":  # the strategy's own settings, as its bf16 row ran them, and float8
+            assert (flags or "") == f"{measured_flags[script, n]} --float8 rowwise".strip(), (script, n, flags)
+        if script in ("pipeline", "hybrid"):  # the fewest micro-batches that make the bubble small, as the run got them
+            pp = int(value(argv, "--pp")) if script == "hybrid" else n
+            per_rank = int(value(argv, "--stages-per-rank")) if "--stages-per-rank" in argv else 1
+            assert int(value(argv, "--micro-batches")) == fewest_micro_batches(int(batch) // (n // pp), pp, per_rank), (script, n, argv)
+    # The table shows each row's flags as its record's config has them, and the batch of the job.
+    table = table_md_rows(stub_sweep / "results" / os.listdir(stub_sweep / "results")[0] / "table.md")
+    shown = {(row[0].replace("single-GPU baseline", "ddp"), int(row[1])): row for row in table if "predicted" not in row[0]}
+    for (script, n), flags in measured_flags.items():
+        name = sweep_report.STRATEGY_OF_SCRIPT.get(script, script)
+        assert shown[name, n][-1] == (flags or "-") and shown[name, n][2] == str(4 * n), (script, n)
+        assert shown[f"{name} float8 rowwise", n][-1] == (flags or "-")
+    # Settings chosen, not fixed: the row is the fastest of those tried.
+    assert measured_flags["pipeline", 2] in {"--schedule interleaved-1f1b --micro-batches 4 --stages-per-rank 2", "--schedule 1f1b --micro-batches 8"}
+
+
+@pytest.mark.parametrize("slower", ["interleaved-1f1b", "--schedule 1f1b", "--sequence-parallel"])
+def test_the_measured_row_runs_the_fastest_settings_tried(stub_sweep, slower):
+    proc, runs = run_sweep(stub_sweep, "--strategies", "pipeline,tensor_parallel", "--gpus", "1,2", gpus=(2, 80, "NVIDIA H100 80GB HBM3"),
+                           knobs={"slower": {slower: 50}})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    tried = {(script, n): [] for (_, _, script, n, *_), _ in runs}
+    for (_, _, script, n, kind, _, flags, note, _), _ in runs:
+        if kind == " simulated rank 0":
+            tried[script, n].append(flags or "")
+        elif not kind and n == "2":
+            assert len(tried[script, n]) == 2 and slower not in (flags or "") and (flags or "") in tried[script, n], (script, flags, tried)
+            assert "the fastest of 2 settings tried" in note
+
+
+def test_a_row_out_of_memory_runs_again_checkpointed_and_says_so(stub_sweep):
+    proc, runs = run_sweep(stub_sweep, "--strategies", "ddp,tensor_parallel", "--gpus", "1,2", "--eager", gpus=(2, 80, "NVIDIA H100 80GB HBM3"),
+                           knobs={"oom": ["tensor_parallel"]})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert all("--compile" not in got["argv"] for _, got in runs)  # --eager: no row compiles
+    tp = [(fields, got["argv"]) for fields, got in runs if fields[2] == "tensor_parallel" and fields[3] == "2"]
+    # Each simulated settings ran out of memory, then ran checkpointed; the measured row takes the fastest of those.
+    assert [(f[4], f[6], "FAILED" if f[8].startswith("FAILED") else "ok") for f, _ in tp] == [
+        (" simulated rank 0", "--sequence-parallel", "FAILED"), (" simulated rank 0", "--sequence-parallel --activation-checkpointing", "ok"),
+        (" simulated rank 0", None, "FAILED"), (" simulated rank 0", "--activation-checkpointing", "ok"), (None, tp[-1][0][6], "ok")]
+    assert "--activation-checkpointing" in tp[-1][1] and "out of memory: the row again with --activation-checkpointing" in proc.stdout
+    folder = stub_sweep / "results" / os.listdir(stub_sweep / "results")[0]
+    assert "`--sequence-parallel`: error: rank 0 ran out of memory" in (folder / "REPORT.md").read_text()
+
+
+def test_the_cpu_sweep_runs_one_job_per_count_reports_failures_and_exits_non_zero(stub_sweep):
+    proc, runs = run_sweep(stub_sweep, "--strategies", "ddp,context_parallel,model_parallel,fsdp", "--strong", "--global-batch-size", "6",
+                           knobs={"fail": ["fsdp"]}, env={"OMP_NUM_THREADS": "7", "MODEL": "350m", "GPUS": "4", "OUT": "elsewhere"})
+    assert proc.returncode == 1 and proc.stderr.splitlines()[-1] == "run_all.sh: 3 of 12 rows failed (their lines above say why)", proc.stderr
+    assert "No GPU in use: CPU fallback, model tiny in 1-2 gloo processes, 10 steps per run, eager" in proc.stdout.splitlines()[0]
+    # On CPU: 1 and 2 processes measured, 2 predicted, one batch for every strategy and count (--strong), no compile, one thread.
+    assert {(f[2], f[3], f[4] or "") for f, _ in runs} == {(s, n, k) for s in ("ddp", "context_parallel", "model_parallel", "fsdp")
+                                                           for n, k in (("2", " simulated rank 0"), ("1", ""), ("2", ""))} | {
+        ("model_parallel", "2", " simulated rank 1")}
+    assert all(value(got["argv"], "--global-batch-size") == "6" and "--compile" not in got["argv"] and got["threads"] == "1" for _, got in runs)
+    assert not (stub_sweep / "elsewhere").exists()
+    table = table_md_rows(stub_sweep / "results" / os.listdir(stub_sweep / "results")[0] / "table.md")
+    assert [row[3] for row in table if row[0].startswith("fsdp")] == ["failed: error: broken on purpose"] * 2 + ["rank 0: error: broken on purpose"]
+    assert [row[0] for row in table if "cp" in row[0]] == ["cp", "cp", "cp (predicted)"]  # the record's name, one row each
+
+
+def test_a_long_cpu_row_says_so_before_it_starts(stub_sweep):
+    proc, runs = run_sweep(stub_sweep, "--model", "350m", "--strategies", "ddp", "--gpus", "1", "--simulate", "none")
+    assert proc.returncode == 0, proc.stderr
+    [(fields, _)] = runs
+    assert re.fullmatch(r"at least \d+ min on CPU", fields[7]), fields
+
+
+def test_on_one_gpu_the_last_line_says_how_to_predict_more(stub_sweep):
+    proc, _ = run_sweep(stub_sweep, "--strategies", "ddp", gpus=(1, 80, "NVIDIA H100 80GB HBM3"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1].startswith("One GPU here: bash run_all.sh --simulate 2,4,8 predicts 2, 4 and 8 GPUs")
+    proc, _ = run_sweep(stub_sweep, "--strategies", "ddp", "--simulate", "2", gpus=(1, 80, "NVIDIA H100 80GB HBM3"))
+    assert proc.returncode == 0 and not proc.stdout.splitlines()[-1].startswith("One GPU here"), proc.stdout
+
+
+# Each bad option, and what its one line must say. A "{taken}" folder holds a file.
+BAD_OPTIONS = [
+    (["--model", "huge"], ",".join(common.PRESETS)),
+    (["--model"], "needs a value"),
+    (["--steps", "0"], "positive whole number"),
+    (["--steps", "x"], "positive whole number"),
+    (["--steps", "1"], "at least 5"),
+    (["--steps", "4"], "at least 5"),
+    (["--steps", "99999999999999999999"], "positive whole number"),
+    (["--steps", "7", "--steps", "8"], "given twice"),
+    (["--profile", "--steps", "9"], "at least 10"),
+    (["--gpus", "1,x"], "positive counts"),
+    (["--gpus", "0"], "positive counts"),
+    (["--gpus", "1,,2"], "positive counts"),
+    (["--gpus", "1,1"], "1 is named twice"),
+    (["--gpus", "4"], "at most 2 processes"),
+    (["--simulate", "1"], "counts of 2 or more"),
+    (["--simulate", "2,2"], "2 is named twice"),
+    (["--simulate", "5000"], "at most 4096"),
+    (["--simulate", "-2"], "counts of 2 or more"),
+    (["--strategies", "ddp,nope"], "accepted: context_parallel,ddp"),
+    (["--strategies", "ddp,,fsdp"], "an empty name"),
+    (["--strategies", "ddp,ddp"], "named twice"),
+    (["--strategies", ","], "an empty name"),
+    (["--global-batch-size", "-1"], "positive whole number"),
+    (["--global-batch-size", "0"], "positive whole number"),
+    (["--strategies", "ddp", "--gpus", "2", "--simulate", "none", "--strong", "--global-batch-size", "3"],
+     "nothing to run: ddp x2 global batch 3 does not split over 2 ranks"),
+    (["--strategies", "context_parallel", "--seq-len", "3", "--simulate", "none"], "nothing to run: context_parallel x1 3 tokens"),
+    (["--seq-len", "65"], "tiny preset's context of 64"),
+    (["--seq-len", "0"], "positive whole number"),
+    (["--out", "{taken}"], "holds files already"),
+    (["--out", "{taken}/file"], "exists and is not a folder"),
+    (["--out", "{taken}/file/below"], "exists and is not a folder|cannot be made"),
+    (["--float8", "e4m3"], "tensorwise or rowwise"),
+    (["--float8", "rowwise"], "needs a GPU"),
+    (["--compile", "--eager"], "contradict"),
+    (["--intra-gbps", "0"], "positive number of GB/s"),
+    (["--intra-gbps", "-5"], "positive number of GB/s"),
+    (["--inter-gbps", "nan"], "positive number of GB/s"),
+    (["--intra-gbps", "100", "--simulate", "none"], "it needs --simulate"),
+    (["--gpus-per-node", "0"], "positive whole number"),
+    (["--wat"], "unknown option --wat"),
+    (["extra"], "unknown option extra"),
+]
+
+
+@pytest.mark.parametrize("args, cause", BAD_OPTIONS, ids=[" ".join(args) for args, _ in BAD_OPTIONS])
+def test_a_bad_option_is_refused_in_one_line_before_anything_runs(stub_sweep, tmp_path, args, cause):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "file").write_text("{}\n")
+    args = [a.format(taken=tmp_path / "taken") for a in args]
+    def files():
+        return sorted(p for p in stub_sweep.rglob("*") if "__pycache__" not in p.parts and p.name not in ("machine.json", "stub.json"))
+
+    before = files()
+    proc, runs = run_sweep(stub_sweep, "--cpu", *args)
+    assert proc.returncode == 2 and proc.stdout == "" and len(proc.stderr.splitlines()) == 1, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("run_all.sh: ") and re.search(cause, proc.stderr), proc.stderr
+    assert runs == [] and files() == before  # no results folder, no run
+
+
+def test_two_sweeps_into_one_out_folder_one_is_refused_in_one_line(stub_sweep, tmp_path):
+    (stub_sweep / "machine.json").write_text("[0, 0, \"none\"]")
+    env = {**os.environ, "PATH": f"{stub_sweep / 'bin'}:{os.environ['PATH']}"}
+    out = tmp_path / "shared"
+    procs = [subprocess.Popen(["bash", "run_all.sh", "--strategies", "ddp", "--gpus", "1", "--simulate", "none", "--out", str(out)],
+                              cwd=stub_sweep, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    codes = sorted(proc.returncode for proc in procs)
+    refused = [err for proc, (_, err) in zip(procs, outputs) if proc.returncode]
+    assert codes == [0, 2] and len(refused[0].splitlines()) == 1, outputs
+    assert re.match(rf"run_all.sh: --out {out}: (another sweep took it first|holds files already)", refused[0]), refused
+    assert (out / "table.md").exists()
+
+
+def test_two_sweeps_started_in_the_same_second_get_folders_of_their_own(stub_sweep):
+    # A clock stuck on one second, for both sweeps.
+    (stub_sweep / "bin" / "date").write_text("#!/bin/sh\necho 20250101-000000\n")
+    (stub_sweep / "bin" / "date").chmod(stat.S_IRWXU)
+    (stub_sweep / "machine.json").write_text("[0, 0, \"none\"]")
+    env = {**os.environ, "PATH": f"{stub_sweep / 'bin'}:{os.environ['PATH']}"}
+    procs = [subprocess.Popen(["bash", "run_all.sh", "--strategies", "ddp", "--gpus", "1", "--simulate", "none"], cwd=stub_sweep, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    assert [proc.communicate(timeout=120) and proc.returncode for proc in procs] == [0, 0]
+    folders = sorted((stub_sweep / "results").iterdir())
+    assert len(folders) == 2 and all(f.name.startswith("20250101-000000-") and (f / "table.md").exists() for f in folders), folders
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return False
+    return fields[0] != "Z"
+
+
+def parent(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM", "reader left", "SIGKILL"])
+def test_a_signal_ends_the_sweep_and_its_running_ranks_within_seconds_and_reports_what_finished(stub_sweep, tmp_path, how):
+    """The real torchrun (its ranks in sessions of their own) on 2 processes of a stub
+    that hangs; Ctrl-C is SIGINT to the terminal's process group, SIGTERM to the sweep,
+    a reader that left (`| head`) closes the sweep's output; a sweep killed outright can
+    say nothing, but its ranks still end."""
+    (stub_sweep / "machine.json").write_text("[0, 0, \"none\"]")
+    (stub_sweep / "stub.json").write_text(json.dumps({"hang": ["fsdp"]}))
+    out = tmp_path / "out"
+    stdout_file, stderr_file = open(tmp_path / "stdout", "w+"), open(tmp_path / "stderr", "w+")
+    proc = subprocess.Popen(["bash", "run_all.sh", "--strategies", "ddp,fsdp", "--gpus", "2", "--simulate", "none", "--out", str(out)],
+                            cwd=stub_sweep, stdout=subprocess.PIPE if how == "reader left" else stdout_file, stderr=stderr_file, text=True,
+                            start_new_session=True)
+    ranks, launcher = [], []
+    try:
+        deadline = time.monotonic() + 120
+        while len(ranks) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)  # until both ranks of fsdp x2 hang
+            ranks = [int(p.suffix[1:]) for p in stub_sweep.glob("hung.*")]
+        assert len(ranks) == 2 and proc.poll() is None, (tmp_path / "stdout").read_text() + (tmp_path / "stderr").read_text()
+        launcher = [parent(ranks[0])]  # torchrun
+        start = time.monotonic()
+        if how == "Ctrl-C":
+            os.killpg(proc.pid, signal.SIGINT)
+        elif how in ("SIGTERM", "SIGKILL"):
+            proc.send_signal(getattr(signal, how))
+        else:
+            proc.stdout.close()
+        proc.wait(timeout=30)
+        while [pid for pid in ranks + launcher if alive(pid)] and time.monotonic() < start + 30:
+            time.sleep(0.1)
+        seconds = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in ranks + launcher:  # a sweep that failed to end them must not leave them behind
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert seconds < 15 and not [pid for pid in ranks + launcher if alive(pid)], (seconds, ranks, launcher)
+    if how == "SIGKILL":
+        return
+    stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
+    name, code = {"Ctrl-C": ("SIGINT", 130), "SIGTERM": ("SIGTERM", 143), "reader left": ("SIGPIPE", 141)}[how]
+    assert proc.returncode == code, (proc.returncode, stderr)
+    lines = stderr.splitlines()
+    assert len(lines) == 1 and re.fullmatch(rf"run_all.sh: {name} during \[2/2\]: 1 of 2 runs finished \(ddp x2\); the table below is theirs",
+                                            lines[0]), stderr
+    assert "Traceback" not in stdout + stderr
+    assert how == "reader left" or "[2/2] fsdp x2, global batch 16 ... interrupted after" in stdout
+    assert [(row[0], row[1]) for row in table_md_rows(out / "table.md")] == [("ddp", "2")]
+
+
+def test_exported_out_and_model_do_not_steer_the_sweep(stub_sweep, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    env = {"OUT": str(elsewhere), "out": str(elsewhere), "MODEL": "350m", "model": "350m", "STEPS": "7", "SCALING": "strong", "steps": "7"}
+    proc, runs = run_sweep(stub_sweep, "--strategies", "ddp", "--gpus", "1", "--simulate", "none", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "model tiny in 1-2 gloo processes, 10 steps per run" in proc.stdout.splitlines()[0]
+    assert [value(got["argv"], "--steps") for _, got in runs] == ["10"] and not elsewhere.exists()
+    [folder] = (stub_sweep / "results").iterdir()
+    assert (folder / "table.md").exists()
+
+
 def test_cpu_sweep_reports_what_the_runs_measured(tmp_path, monkeypatch):
+    """The real scripts, end to end: the table must be the figures their runs wrote."""
     for name in ("run_all.sh", "sweep_report.py", "common.py", "ddp_train.py", "pipeline_train.py"):
         shutil.copy(ROOT / name, tmp_path)
     shutil.copytree(ROOT / "options", tmp_path / "options")
-    # A strategy that fails, after noting the threads each of its ranks was given.
-    (tmp_path / "broken_train.py").write_text(
-        "import json, os, sys\n"
-        "with open('threads.jsonl', 'a') as f:\n"
-        "    f.write(json.dumps([os.environ.get('WORLD_SIZE', '1'), os.environ.get('OMP_NUM_THREADS')]) + '\\n')\n"
-        "print('error: broken on purpose', file=sys.stderr)\n"
-        "sys.exit(2)\n")
     out = tmp_path / "out"
-    # Generic variables another tool may have set must not reach the runs.
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
-    env.update(MODEL="gpt2", STEPS="7", STRATEGIES="fsdp", GPUS="4", GLOBAL_BATCH="3", SCALING="strong", OUT=str(tmp_path / "elsewhere"))
-    proc = subprocess.run(["bash", "run_all.sh", "--cpu", "--strategies", "ddp,broken,pipeline", "--gpus", "1,2", "--simulate", "2",
-                           "--steps", "3", "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(["bash", "run_all.sh", "--cpu", "--strategies", "ddp,pipeline", "--steps", "5", "--out", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "CPU fallback" in proc.stdout.splitlines()[0]
-    assert "[1/9] ddp x1 ... " in proc.stdout and "[8/9] pipeline x2 " in proc.stdout
-    assert "[4/9] broken x1 ... FAILED" in proc.stdout and "(log: " in proc.stdout
-    # Each distinct rank of a simulated run once: DDP's ranks are alike, a pipeline's ends are not.
-    assert "[3/9] ddp x2 simulated rank 0 ... " in proc.stdout and "[6/9] broken x2 simulated rank 0 ... FAILED" in proc.stdout
-    assert "[9/9] pipeline x2 simulated rank 0 " in proc.stdout and "[9/9] pipeline x2 simulated rank 1 " in proc.stdout
-    simulated = {(r["strategy"], r["world_size"], r["simulated_rank"]) for r in map(json.loads, open(out / "simulated.jsonl"))}
-    assert simulated == {("ddp", 2, 0), ("pipeline", 2, 0), ("pipeline", 2, 1)}
-
+    announced = [m.groups() for m in map(ANNOUNCED.match, proc.stdout.splitlines()) if m]
+    assert [(a[2], a[3], a[4]) for a in announced] == [
+        ("ddp", "2", " simulated rank 0"), ("ddp", "1", None), ("ddp", "2", None), *[("pipeline", "2", f" simulated rank {r}") for r in (0, 1, 0, 1)],
+        ("pipeline", "1", None), ("pipeline", "2", None)]
+    simulated = [json.loads(line) for line in open(out / "simulated.jsonl")]
     records = {(r["strategy"], r["world_size"]): r for r in map(json.loads, open(out / "results.jsonl"))}
     assert set(records) == {("ddp", 1), ("ddp", 2), ("pipeline", 1), ("pipeline", 2)}
-    assert {(r["model"], r["steps"]) for r in records.values()} == {("tiny", 3)}
+    assert {(r["model"], r["steps"], r["global_batch_size"]) for r in records.values()} == {("tiny", 5, 8), ("tiny", 5, 16)}
+    # Every run ran the flags its row announced, as its record's config has them.
+    runs = [(a, r) for a, r in zip([a for a in announced if a[4] and "simulated" in a[4]], simulated)] + [
+        (a, records[sweep_report.STRATEGY_OF_SCRIPT.get(a[2], a[2]), int(a[3])]) for a in announced if not a[4]]
+    for a, r in runs:
+        assert sweep_report.flags_of(r) == (a[6] or "") and r["global_batch_size"] == int(a[5]) and r["config"]["compile"] is False, (a, r["config"])
+    # The pipeline at 2 ran the settings predicted fastest of the two tried.
+    predicted = sweep_report.candidate_predictions(simulated, [], (*sweep_report.link_bandwidth(None)[:2], 8))[("pipeline", 2, 16)]
+    fastest = max(predicted.values(), key=sweep_report.predicted_rate)
+    assert len(predicted) == 2 and sweep_report.flags_of(records["pipeline", 2]) == fastest["flags"]
     base = records["ddp", 1]["samples_per_sec"]
     table = table_md_rows(out / "table.md")
-    # Article order: baseline, data parallel, pipeline; then strategies it does not have. A
-    # predicted row follows the measured one of the same run.
     assert [(row[0], row[1]) for row in table] == [("single-GPU baseline", "1"), ("ddp", "2"), ("ddp (predicted)", "2"), ("pipeline", "1"),
-                                                   ("pipeline", "2"), ("pipeline (predicted)", "2"), ("broken", "1"), ("broken", "2"),
-                                                   ("broken (predicted)", "2")]
-    predicted = {row[0]: row for row in table if "predicted" in row[0]}
-    assert predicted["broken (predicted)"][3] == "rank 0: error: broken on purpose"
-    assert "bubble" in predicted["pipeline (predicted)"][8] and predicted["ddp (predicted)"][8].startswith("comm ")
-    # The measured row says where it falls against its prediction.
-    assert re.fullmatch(r"within|[+-]\d+% (above|below)", table[4][9]), table[4]
-    rows = [row for row in table if "predicted" not in row[0]]
-    for row in rows[:4]:
-        strategy = "ddp" if row[0] == "single-GPU baseline" else row[0]
-        r = records[strategy, int(row[1])]
+                                                   ("pipeline", "2"), ("pipeline (predicted)", "2")]
+    assert table[5][-1] == fastest["flags"]
+    for row in (row for row in table if "predicted" not in row[0]):
+        r = records["ddp" if row[0] == "single-GPU baseline" else row[0], int(row[1])]
         speedup = r["samples_per_sec"] / base
-        overhead = f"comm {r['comm_pct']:.1f}" if strategy == "ddp" and r["world_size"] > 1 else (
-            f"bubble {r['bubble_pct']:.1f}" if strategy == "pipeline" else "-")
-        assert row[2:] == [str(r["global_batch_size"]), f"{r['samples_per_sec']:.2f}", f"{speedup:.2f}x",
-                           f"{100 * speedup / r['world_size']:.0f}%", "-", f"{r['peak_mem_gib']:.2f} ({r['mem_pct']:.0f}%)", overhead, row[9]]
-    # Weak scaling: the data-parallel row doubles the batch, the pipeline keeps it.
-    assert records["ddp", 2]["global_batch_size"] == 16 and records["pipeline", 2]["global_batch_size"] == 8
-    assert rows[4][3] == "failed: error: broken on purpose"
-    # The micro-batches each pipeline row announced are the ones it ran.
-    for n in (1, 2):
-        announced = re.search(rf"pipeline x{n} .*--micro-batches (\d+) \.\.\. ", proc.stdout)
-        assert announced and int(announced[1]) == records["pipeline", n]["config"]["micro_batches"], proc.stdout
-    # One thread per process in every row, the 1-process ones included.
-    threads = [tuple(json.loads(line)) for line in open(tmp_path / "threads.jsonl")]
-    assert sorted(threads) == [("1", "1"), ("1", "1"), ("2", "1"), ("2", "1")], threads
-    assert not (tmp_path / "elsewhere").exists()
-
-    # The report: REPORT.md and its five pictures, each number in them from the lines above.
+        assert row[2:9] == [str(r["global_batch_size"]), f"{r['samples_per_sec']:.2f}", f"{speedup:.2f}x", f"{100 * speedup / r['world_size']:.0f}%",
+                            "-", f"{r['peak_mem_gib']:.2f} ({r['mem_pct']:.0f}%)", row[8]]
+    # The report: REPORT.md and its five pictures, ending with the ranking at each count.
     report = (out / "REPORT.md").read_text()
     for name in sweep_report.PICTURES.values():
         assert f"]({name})" in report and 0 < (out / name).stat().st_size < 200_000, name
-    lines = sweep_report.load(out)
-    bandwidth = (*sweep_report.link_bandwidth(None)[:2], 8)  # run_all.sh's defaults
-    data = sweep_report.figures(*lines, bandwidth)
-    measured = {sweep_report.name_of(key): r for key, r in records.items()}
-    bars = {bar["name"]: bar for bar in data["split"]["bars"]}
-    assert list(bars) == ["ddp x1", "ddp x2", "ddp x2 (predicted)", "pipeline x1", "pipeline x2", "pipeline x2 (predicted)"]
-    for name, bar in bars.items():
-        parts = bar["parts"]
-        step = bar["range"][0] if "predicted" in name else measured[name]["step_seconds"]  # a prediction's bar is its fast end
-        assert bar["step"] == step and min(v for v in parts.values() if v is not None) >= 0, (name, bar)
-        assert sum(v for v in parts.values() if v is not None) == pytest.approx(step, rel=0.05), (name, parts)
-        assert parts["compute"] > 0 and parts["optimizer"] > 0 and parts["data"] > 0, (name, parts)
-        assert (parts["bubble"] is None) == name.startswith("ddp"), (name, parts)
-    assert bars["ddp x1"]["parts"]["comm"] == 0 and bars["ddp x2"]["parts"]["comm"] == measured["ddp x2"]["comm_seconds"]
-    # Every run's loss at every step it logged.
-    assert {name: (c["steps"], c["losses"]) for name, c in data["loss"]["curves"].items()} == {
-        name: (list(range(1, r["steps"] + 1)), r["losses"]) for name, r in measured.items()}
-    assert data["loss"]["baseline"] == "ddp x1"
-    assert {b["name"]: b["per_rank"] for b in data["memory"]["bars"] if "predicted" not in b["name"]} == {
-        name: r["peak_mem_gib_per_rank"] for name, r in measured.items()}
-    comm = {b["name"]: b for b in data["comm"]["bars"]}
-    assert comm["ddp x2"]["bytes"]["all_reduce"] > 0 and comm["ddp x2"]["busbw_gbps"] == measured["ddp x2"]["allreduce_busbw_gbps"]
-    assert data["speedup"]["measured"]["ddp"] == [(1, 1.0), (2, measured["ddp x2"]["samples_per_sec"] / base)]
-    # The failed runs are missing, said so in each picture and the report, and drawn as nothing (not as zero).
-    broken = ["broken x1", "broken x2", "broken x2 (predicted)"]
-    for key, picture in data.items():
-        assert [m["name"] for m in picture["missing"]] == (broken[:2] if key == "loss" else broken), key  # a prediction has no loss
-    drawn = [*bars, *data["loss"]["curves"], *(b["name"] for b in data["memory"]["bars"]), *comm, *data["speedup"]["measured"], *data["speedup"]["predicted"]]
-    assert not [name for name in drawn if name.startswith("broken")], drawn
-    assert all(re.search(rf"^\| {re.escape(name)} \| (failed: )?(rank 0: )?error: broken on purpose", report, re.M) for name in broken), report
-    # Without matplotlib: the same report, with the table, saying how to get its pictures.
-    monkeypatch.setattr(sweep_report, "_pyplot", lambda: None)
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    assert sweep_report.write_report(bare, *lines, bandwidth, "TABLE", []) == {}
-    assert os.listdir(bare) == ["REPORT.md"] and "TABLE" in (bare / "REPORT.md").read_text() and "pip install matplotlib" in (bare / "REPORT.md").read_text()
+    ranked = sorted([("ddp", records["ddp", 2]["samples_per_sec"]), ("pipeline", records["pipeline", 2]["samples_per_sec"])], key=lambda x: -x[1])
+    assert report.rstrip().splitlines()[-1].startswith(f"- 2 processes, tiny, global batch 16 (measured): {ranked[0][0]} {ranked[0][1]:.2f} samples/s")
+    assert "## Settings tried" in report
