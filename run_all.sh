@@ -23,8 +23,8 @@
 #   --out DIR              results folder, new or empty (default: a new results/<date-time>-<random>)
 #   --simulate 2,4,8       also predict these GPU counts, each distinct rank run alone here on a fake process
 #                          group (default: the measured counts above 1, none on a one-GPU machine; none for none)
-#   --intra-gbps X         with --simulate: bus bandwidth per GPU inside a node (default: sweep_report.LINK_GBPS)
-#   --inter-gbps Y         with --simulate: bus bandwidth per GPU across nodes (default: sweep_report.LINK_GBPS)
+#   --intra-gbps X         with --simulate: bus bandwidth per GPU inside a node (default: LINK_GBPS in sweep/predict.py)
+#   --inter-gbps Y         with --simulate: bus bandwidth per GPU across nodes (default: LINK_GBPS in sweep/predict.py)
 #   --gpus-per-node K      with --simulate: GPUs a node holds (default: 8)
 #   --profile              trace 3 steps of every measured run with torch.profiler (left out of its timing), into OUT/profiles/<run>/
 #                          (one Chrome trace and op table per rank; REPORT.md links them); needs --steps of at least 10
@@ -203,7 +203,7 @@ max_seq_len=$(tr ' ' '\n' <<< "$contexts" | sed -n "s/^$model://p")
 seq_len=${seq_len:-$max_seq_len}
 if [ "$strong" = true ]; then job="global batch $global_batch at every count"; else job="global batch $global_batch x the count"; fi
 
-# The plan: every run of the sweep, with its settings, or why it is skipped (sweep_report.plan).
+# The plan: every run of the sweep, with its settings, or why it is skipped (sweep/plan.py).
 json_list() { local IFS=,; echo "[$*]"; }
 quoted=("${strategy_list[@]/#/\"}")
 spec="{\"model\": \"$model\", \"strategies\": $(json_list "${quoted[@]/%/\"}"), \"gpus\": $(json_list "${gpu_list[@]}"),

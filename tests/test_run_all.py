@@ -19,7 +19,10 @@ from pathlib import Path
 import pytest
 
 import common
-import sweep_report
+from sweep.lines import STRATEGY_OF_SCRIPT
+from sweep.pictures import PICTURES
+from sweep.predict import link_bandwidth
+from sweep.settings import candidate_predictions, flags_of, predicted_rate
 from harness import ROOT
 
 STUBS = Path(__file__).parent / "stub_scripts"
@@ -30,7 +33,7 @@ COMMON_FLAGS = {"--model": 1, "--steps": 1, "--global-batch-size": 1, "--seq-len
 ANNOUNCED = re.compile(r"^\[(\d+)/(\d+)\] (\S+) x(\d+)( simulated rank \d+| float8)?, global batch (\d+)(?:: ([^(]*?))?(?: \(([^)]*)\))? \.\.\. (.*)$")
 
 
-# What sweep_report and run_all.sh read of each module, which the stand-in torch cannot import.
+# What sweep_report.py (with sweep/) and run_all.sh read of each module, which the stand-in torch cannot import.
 TORCHLESS = {"common": {"ModelConfig", "PRESETS", "flops_per_token", "number", "positive", "positive_float"},
              "pipeline_train": {"stages_of_rank", "theoretical_bubble_pct", "ZERO_BUBBLE"}}
 
@@ -57,10 +60,11 @@ def stub_sweep(tmp_path):
     folder.mkdir()
     for name in ("run_all.sh", "sweep_report.py"):
         shutil.copy(ROOT / name, folder)
+    shutil.copytree(ROOT / "sweep", folder / "sweep")
     shutil.copytree(STUBS / "torch", folder / "torch")
     (folder / "common.py").write_text(torchless("common"))
     stub = (STUBS / "stub_train.py").read_text()
-    for script in STRATEGIES:  # pipeline_train.py also holds the helpers sweep_report imports from it
+    for script in STRATEGIES:  # pipeline_train.py also holds the helpers sweep/ imports from it
         (folder / f"{script}_train.py").write_text(torchless(f"{script}_train") + "\n\n" + stub if f"{script}_train" in TORCHLESS else stub)
     (folder / "bin").mkdir()
     shutil.copy(STUBS / "torchrun", folder / "bin" / "torchrun")
@@ -150,7 +154,7 @@ def test_every_row_runs_the_batch_and_flags_it_announces_on_gpus(stub_sweep):
     table = table_md_rows(stub_sweep / "results" / os.listdir(stub_sweep / "results")[0] / "table.md")
     shown = {(row[0].replace("single-GPU baseline", "ddp"), int(row[1])): row for row in table if "predicted" not in row[0]}
     for (script, n), flags in measured_flags.items():
-        name = sweep_report.STRATEGY_OF_SCRIPT.get(script, script)
+        name = STRATEGY_OF_SCRIPT.get(script, script)
         assert shown[name, n][-1] == (flags or "-") and shown[name, n][2] == str(4 * n), (script, n)
         assert shown[f"{name} float8 rowwise", n][-1] == (flags or "-")
     # Settings chosen, not fixed: the row is the fastest of those tried.
@@ -388,6 +392,7 @@ def test_cpu_sweep_reports_what_the_runs_measured(tmp_path, monkeypatch):
     for name in ("run_all.sh", "sweep_report.py", "common.py", "ddp_train.py", "pipeline_train.py"):
         shutil.copy(ROOT / name, tmp_path)
     shutil.copytree(ROOT / "options", tmp_path / "options")
+    shutil.copytree(ROOT / "sweep", tmp_path / "sweep")
     out = tmp_path / "out"
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
     proc = subprocess.run(["bash", "run_all.sh", "--cpu", "--strategies", "ddp,pipeline", "--steps", "5", "--out", str(out)],
@@ -403,13 +408,13 @@ def test_cpu_sweep_reports_what_the_runs_measured(tmp_path, monkeypatch):
     assert {(r["model"], r["steps"], r["global_batch_size"]) for r in records.values()} == {("tiny", 5, 8), ("tiny", 5, 16)}
     # Every run ran the flags its row announced, as its record's config has them.
     runs = [(a, r) for a, r in zip([a for a in announced if a[4] and "simulated" in a[4]], simulated)] + [
-        (a, records[sweep_report.STRATEGY_OF_SCRIPT.get(a[2], a[2]), int(a[3])]) for a in announced if not a[4]]
+        (a, records[STRATEGY_OF_SCRIPT.get(a[2], a[2]), int(a[3])]) for a in announced if not a[4]]
     for a, r in runs:
-        assert sweep_report.flags_of(r) == (a[6] or "") and r["global_batch_size"] == int(a[5]) and r["config"]["compile"] is False, (a, r["config"])
+        assert flags_of(r) == (a[6] or "") and r["global_batch_size"] == int(a[5]) and r["config"]["compile"] is False, (a, r["config"])
     # The pipeline at 2 ran the settings predicted fastest of the two tried.
-    predicted = sweep_report.candidate_predictions(simulated, [], (*sweep_report.link_bandwidth(None)[:2], 8))[("pipeline", 2, 16)]
-    fastest = max(predicted.values(), key=sweep_report.predicted_rate)
-    assert len(predicted) == 2 and sweep_report.flags_of(records["pipeline", 2]) == fastest["flags"]
+    predicted = candidate_predictions(simulated, [], (*link_bandwidth(None)[:2], 8))[("pipeline", 2, 16)]
+    fastest = max(predicted.values(), key=predicted_rate)
+    assert len(predicted) == 2 and flags_of(records["pipeline", 2]) == fastest["flags"]
     base = records["ddp", 1]["samples_per_sec"]
     table = table_md_rows(out / "table.md")
     assert [(row[0], row[1]) for row in table] == [("single-GPU baseline", "1"), ("ddp", "2"), ("ddp (predicted)", "2"), ("pipeline", "1"),
@@ -422,7 +427,7 @@ def test_cpu_sweep_reports_what_the_runs_measured(tmp_path, monkeypatch):
                             "-", f"{r['peak_mem_gib']:.2f} ({r['mem_pct']:.0f}%)", row[8]]
     # The report: REPORT.md and its five pictures, ending with the ranking at each count.
     report = (out / "REPORT.md").read_text()
-    for name in sweep_report.PICTURES.values():
+    for name in PICTURES.values():
         assert f"]({name})" in report and 0 < (out / name).stat().st_size < 200_000, name
     ranked = sorted([("ddp", records["ddp", 2]["samples_per_sec"]), ("pipeline", records["pipeline", 2]["samples_per_sec"])], key=lambda x: -x[1])
     assert report.rstrip().splitlines()[-1].startswith(f"- 2 processes, tiny, global batch 16 (measured): {ranked[0][0]} {ranked[0][1]:.2f} samples/s")

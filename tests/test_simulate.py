@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 import pipeline_train
-import sweep_report
+from sweep.predict import comm_seconds, predict, replay
 from harness import checkpointed, comm, launch
 
 
@@ -50,7 +50,7 @@ def equal_stages(orders, stages_per_rank):
     """Replay with every stage equally fast (a forward 1, a backward 2, split over the
     stages a rank holds; zero-bubble's halves 1 each) and free transfers: bubble share."""
     times = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
-    makespan, busy = sweep_report.replay(orders, lambda rank, kind, stage: times[kind] / stages_per_rank, lambda a, b: 0.0)
+    makespan, busy = replay(orders, lambda rank, kind, stage: times[kind] / stages_per_rank, lambda a, b: 0.0)
     return 1 - sum(busy.values()) / len(busy) / makespan
 
 
@@ -70,12 +70,12 @@ def test_the_replay_charges_each_transfer_and_waits_for_the_slowest_stage():
     orders = pipeline_train.pipeline_order(None, argparse.Namespace(schedule="gpipe", micro_batches=2), 2)
     times = lambda r, kind, stage: {"F": 1.0, "B": 2.0}[kind] * (1 + stage)  # stage 1 twice as slow
     # Each crossing 0.5: F0:0 | (0.5) F1:0 F1:1 B1:0 B1:1 | (0.5) B0:1, B0:0 having run while B1:1 did.
-    makespan, busy = sweep_report.replay(orders, times, lambda a, b: 0.5)
+    makespan, busy = replay(orders, times, lambda a, b: 0.5)
     assert makespan == pytest.approx(1 + 0.5 + 2 * 2 + 2 * 4 + 0.5 + 2)
     assert busy == {0: pytest.approx(6.0), 1: pytest.approx(12.0)}
     # A transfer that also holds its sender: rank 1 sends after each backward, so B1:1 starts
     # 0.5 later and B0:1 waits for its send too.
-    makespan, _ = sweep_report.replay(orders, times, lambda a, b: 0.5, blocking=True)
+    makespan, _ = replay(orders, times, lambda a, b: 0.5, blocking=True)
     assert makespan == pytest.approx(1 + 0.5 + 2 * 2 + 4 + 0.5 + 4 + 0.5 + 2)
 
 
@@ -83,10 +83,10 @@ def test_ring_factors_and_the_link_between_nodes():
     bandwidth = (100, 10, 4)  # GB/s inside a node, across nodes; 4 GPUs a node
     inside = {"kind": "all_reduce", "group": [0, 1, 2, 3], "group_size": 4, "bytes": 1e9}
     across = {**inside, "group": [0, 4, 8, 12]}
-    assert sweep_report.comm_seconds(inside, bandwidth) == pytest.approx(2 * 3 / 4 * 1e9 / 100e9)
-    assert sweep_report.comm_seconds(across, bandwidth) == pytest.approx(2 * 3 / 4 * 1e9 / 10e9)
+    assert comm_seconds(inside, bandwidth) == pytest.approx(2 * 3 / 4 * 1e9 / 100e9)
+    assert comm_seconds(across, bandwidth) == pytest.approx(2 * 3 / 4 * 1e9 / 10e9)
     gather = {**inside, "kind": "all_gather"}
-    assert sweep_report.comm_seconds(gather, bandwidth) == pytest.approx(3 / 4 * 1e9 / 100e9)
+    assert comm_seconds(gather, bandwidth) == pytest.approx(3 / 4 * 1e9 / 100e9)
 
 
 def test_the_prediction_hides_what_overlaps_and_exposes_what_cannot():
@@ -98,9 +98,9 @@ def test_the_prediction_hides_what_overlaps_and_exposes_what_cannot():
         return {"strategy": strategy, "world_size": 4, "simulated_rank": 0, "model": "tiny", "config": {}, "step_seconds": 1.0,
                 "comm_per_step": [entry], **extra}
 
-    ddp = sweep_report.predict([run("ddp")], bandwidth)
+    ddp = predict([run("ddp")], bandwidth)
     assert (ddp["low"], ddp["high"]) == (pytest.approx(1.0), pytest.approx(1.75))  # DDP's buckets overlap backward, or not at all
-    tp = sweep_report.predict([run("tp", mesh={"dp": 1, "tp": 4})], bandwidth)
+    tp = predict([run("tp", mesh={"dp": 1, "tp": 4})], bandwidth)
     assert (tp["low"], tp["high"]) == (pytest.approx(1.75), pytest.approx(1.75))  # each block waits for its all-reduce
     # Over two nodes of 2 GPUs the same all-reduce runs at the slower link.
-    assert sweep_report.predict([run("ddp")], (100, 10, 2))["high"] == pytest.approx(1 + 7.5)
+    assert predict([run("ddp")], (100, 10, 2))["high"] == pytest.approx(1 + 7.5)

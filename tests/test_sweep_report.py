@@ -12,6 +12,11 @@ import pytest
 
 import common
 import sweep_report
+from sweep import pictures
+from sweep.lines import FAILURE_FIELDS, KINDS, RUN_FIELDS, SIMULATED_BY_STRATEGY, InputError, load
+from sweep.plan import BUBBLE_TARGET_PCT, CPU_FLOPS, plan
+from sweep.predict import link_bandwidth, roles, step_split
+from sweep.settings import candidate_predictions, predictions, render_flags
 
 
 def record(strategy, world_size, samples_per_sec, global_batch_size=8, **extra):
@@ -46,7 +51,7 @@ def write(folder, records=(), failures=(), sims=()):
 def rows_of(tmp_path, records, failures=()):
     """The table sweep_report makes of these lines, as {(strategy, GPUs): row}, and its row order."""
     write(tmp_path, records, failures)
-    rows = sweep_report.table_rows(*sweep_report.load(tmp_path)[:4])
+    rows = sweep_report.table_rows(*load(tmp_path)[:4])
     return {(row[0], int(row[1])): row for row in rows}, [(row[0], int(row[1])) for row in rows]
 
 
@@ -92,15 +97,15 @@ def test_rows_come_in_the_articles_order_whatever_the_input_order(tmp_path):
 def test_a_step_splits_into_what_its_results_line_measured():
     parts = {"data": 1.0, "to_optimizer": 7.0, "optimizer": 2.0}
     # DDP measured 3 s of exposed communication apart: compute is the rest of the span.
-    split = sweep_report.step_split(record("ddp", 2, 1.0, step_seconds=10.0, step_parts_seconds=parts, comm_seconds=3.0))
+    split = step_split(record("ddp", 2, 1.0, step_seconds=10.0, step_parts_seconds=parts, comm_seconds=3.0))
     assert split == {"data": 1.0, "compute": 3.0, "comm": 3.0, "bubble": None, "optimizer": 2.0, "rest": 1.0}
     # One GPU communicates nothing; elsewhere unmeasured communication is no figure (it sits in compute).
-    assert sweep_report.step_split(record("ddp", 1, 1.0, step_seconds=10.0, step_parts_seconds=parts))["comm"] == 0.0
-    assert sweep_report.step_split(record("fsdp", 2, 1.0, step_seconds=10.0, step_parts_seconds=parts))["compute"] == 6.0
+    assert step_split(record("ddp", 1, 1.0, step_seconds=10.0, step_parts_seconds=parts))["comm"] == 0.0
+    assert step_split(record("fsdp", 2, 1.0, step_seconds=10.0, step_parts_seconds=parts))["compute"] == 6.0
     # A pipeline's ranks were busy 40% of the step, 2 s of it in the optimizer: the span's other 4 s are the bubble.
-    split = sweep_report.step_split(record("pipeline", 2, 1.0, step_seconds=10.0, step_parts_seconds=parts, utilisation_pct=40.0))
+    split = step_split(record("pipeline", 2, 1.0, step_seconds=10.0, step_parts_seconds=parts, utilisation_pct=40.0))
     assert split == {"data": 1.0, "compute": 2.0, "comm": None, "bubble": 4.0, "optimizer": 2.0, "rest": 1.0}
-    assert sweep_report.step_split(record("tp", 2, 1.0, step_seconds=10.0)) is None  # a line from before the split
+    assert step_split(record("tp", 2, 1.0, step_seconds=10.0)) is None  # a line from before the split
 
 
 def test_a_sweep_folder_copied_off_its_machine_still_links_its_profiles(tmp_path, monkeypatch):
@@ -108,8 +113,8 @@ def test_a_sweep_folder_copied_off_its_machine_still_links_its_profiles(tmp_path
     (tmp_path / "profiles" / "ddp_x1").mkdir(parents=True)
     (tmp_path / "profiles" / "ddp_x1" / "ops_rank0.txt").write_text("aten::mm\n")
     write(tmp_path, [record("ddp", 1, 1.0, config={"profile": "/root/out/sweep/profiles/ddp_x1"})])
-    monkeypatch.setattr(sweep_report, "_pyplot", lambda: None)
-    sweep_report.write_report(tmp_path, *sweep_report.load(tmp_path)[:4], (*sweep_report.link_bandwidth(None)[:2], 8), "TABLE", [])
+    monkeypatch.setattr(pictures, "_pyplot", lambda: None)
+    sweep_report.write_report(tmp_path, *load(tmp_path)[:4], (*link_bandwidth(None)[:2], 8), "TABLE", [])
     assert "| ddp x1 | not here | [ops_rank0.txt](profiles/ddp_x1/ops_rank0.txt) |" in (tmp_path / "REPORT.md").read_text()
 
 
@@ -152,8 +157,8 @@ def test_the_fastest_settings_tried_is_the_predicted_row_and_best_names_its_flag
     for slow, fast in ((interleaved, plain), (plain, interleaved)):
         sims = [pipeline_rank(2, r, slow, 0.5) for r in (0, 1)] + [pipeline_rank(2, r, fast, 0.01) for r in (0, 1)]
         write(tmp_path, [record("ddp", 1, 10.0)], sims=sims)
-        rows = {row[0]: row for row in sweep_report.table_rows(*sweep_report.load(tmp_path)[:4], bandwidth=(460, 35, 8))}
-        flags = sweep_report.render_flags("pipeline", fast)
+        rows = {row[0]: row for row in sweep_report.table_rows(*load(tmp_path)[:4], bandwidth=(460, 35, 8))}
+        flags = render_flags("pipeline", fast)
         assert rows["pipeline (predicted)"][-1] == flags
         assert sweep_report.main(["--best", str(tmp_path), "pipeline", "2", "8"]) == 0
         assert capsys.readouterr().out.strip() == flags
@@ -163,12 +168,12 @@ def test_settings_with_a_rank_missing_or_failed_are_not_chosen(tmp_path):
     interleaved, plain = pipeline_config("interleaved-1f1b", 4, 2), pipeline_config("1f1b", 8, 1)
     # The faster settings lost rank 1 (an interrupted sweep); then it failed outright.
     write(tmp_path, sims=[pipeline_rank(2, 0, interleaved, 0.01)] + [pipeline_rank(2, r, plain, 0.5) for r in (0, 1)])
-    by_flags = sweep_report.candidate_predictions(*sweep_report.load(tmp_path)[2:4], (460, 35, 8))[("pipeline", 2, 8)]
-    assert "rank 1 not simulated" in by_flags[sweep_report.render_flags("pipeline", interleaved)]["error"]
-    assert sweep_report.predictions(*sweep_report.load(tmp_path)[2:4], (460, 35, 8))[("pipeline", 2, 8)]["flags"] == sweep_report.render_flags("pipeline", plain)
-    write(tmp_path, failures=[failure("pipeline", 2, simulated=True, simulated_rank=1, flags=sweep_report.render_flags("pipeline", plain))],
+    by_flags = candidate_predictions(*load(tmp_path)[2:4], (460, 35, 8))[("pipeline", 2, 8)]
+    assert "rank 1 not simulated" in by_flags[render_flags("pipeline", interleaved)]["error"]
+    assert predictions(*load(tmp_path)[2:4], (460, 35, 8))[("pipeline", 2, 8)]["flags"] == render_flags("pipeline", plain)
+    write(tmp_path, failures=[failure("pipeline", 2, simulated=True, simulated_rank=1, flags=render_flags("pipeline", plain))],
           sims=[pipeline_rank(2, r, plain, 0.5) for r in (0, 1)])
-    assert "error" in sweep_report.predictions(*sweep_report.load(tmp_path)[2:4], (460, 35, 8))[("pipeline", 2, 8)]
+    assert "error" in predictions(*load(tmp_path)[2:4], (460, 35, 8))[("pipeline", 2, 8)]
 
 
 def test_the_verdict_ranks_each_count_by_samples_per_second(tmp_path):
@@ -178,19 +183,19 @@ def test_the_verdict_ranks_each_count_by_samples_per_second(tmp_path):
     write(tmp_path, records, [failure("pipeline", 4, 32), failure("hybrid", 4, 32, error="error: broken")],
           sims=[simulated(name, 8, 0, step, 64) for name, step in (("ddp", 0.5), ("fsdp", 0.25), ("tp", 2.0))]
           + [simulated("cp", 8, 0, 1.0, 64, mem_pct=150.0)])
-    jobs = {job["count"]: job for job in sweep_report.ranking(*sweep_report.load(tmp_path)[:4], (460, 35, 8))}
+    jobs = {job["count"]: job for job in sweep_report.ranking(*load(tmp_path)[:4], (460, 35, 8))}
     assert jobs[4]["source"] == "measured" and jobs[8]["source"] == "predicted"
     assert [name for name, *_ in jobs[4]["ranked"]] == [name for name, _ in sorted(rates, key=lambda r: -r[1])]
     assert [name for name, *_ in jobs[8]["ranked"]] == ["fsdp", "ddp", "tp"]
     assert [rate for _, rate, *_ in jobs[8]["ranked"]] == [64 / 0.25, 64 / 0.5, 64 / 2.0]
     assert [name for name, _ in jobs[4]["does_not_fit"]] == ["pipeline"] and [name for name, _ in jobs[4]["failed"]] == ["hybrid"]
     assert [name for name, _ in jobs[8]["does_not_fit"]] == ["cp"]
-    lines = sweep_report.verdict_lines(*sweep_report.load(tmp_path)[:4], (460, 35, 8))
+    lines = sweep_report.verdict_lines(*load(tmp_path)[:4], (460, 35, 8))
     assert lines[-1].startswith("8 processes, tiny, global batch 64 (predicted): fsdp 256.00 samples/s (25.60x, 1.00 GiB), ddp")
     assert "does not fit: cp (needs 1.0 GiB, 150% of the device)" in lines[-1]
     # GPUs where the lines come from GPUs.
     write(tmp_path, [{**record("ddp", 2, 10.0, 16), "gpu_name": "NVIDIA H100"}])
-    assert sweep_report.verdict_lines(*sweep_report.load(tmp_path)[:4])[0].startswith("2 GPUs, tiny, global batch 16 (measured): ddp")
+    assert sweep_report.verdict_lines(*load(tmp_path)[:4])[0].startswith("2 GPUs, tiny, global batch 16 (measured): ddp")
 
 
 def test_the_report_and_table_end_with_the_verdict_and_count_processes_on_cpu_and_gpus_on_gpus(tmp_path, capsys):
@@ -202,12 +207,12 @@ def test_the_report_and_table_end_with_the_verdict_and_count_processes_on_cpu_an
     assert (tmp_path / "REPORT.md").read_text().rstrip().endswith(verdict)
     assert verdict in capsys.readouterr().out
     assert (tmp_path / "table.md").read_text().startswith("| strategy            | processes ")
-    assert sweep_report.figures(*sweep_report.load(tmp_path)[:4])["speedup"]["gpus"] is False
+    assert pictures.figures(*load(tmp_path)[:4])["speedup"]["gpus"] is False
     write(tmp_path, [{**r, "gpu_name": "NVIDIA H100 80GB HBM3"} for r in records])
     assert sweep_report.main([str(tmp_path)]) == 0
     assert (tmp_path / "table.md").read_text().startswith("| strategy            | GPUs ")
     assert (tmp_path / "table.md").read_text().rstrip().endswith(verdict.replace("processes", "GPUs"))
-    assert sweep_report.figures(*sweep_report.load(tmp_path)[:4])["speedup"]["gpus"] is True
+    assert pictures.figures(*load(tmp_path)[:4])["speedup"]["gpus"] is True
 
 
 # ----------------------------------------------------------------------------
@@ -307,11 +312,11 @@ def damaged_lines(line):
     yield "garbage bytes", b"\xff\xfe\x00garbage\x81"
     yield "not an object", b"[1, 2, 3]"
     yield "deeply nested", b"[" * 100000 + b"]" * 100000
-    for name in sweep_report.RUN_FIELDS:
+    for name in RUN_FIELDS:
         yield f"no {name}", json.dumps({k: v for k, v in line.items() if k != name}).encode()
         for wrong in ("text", -1, 0, None, [], {}, True, 1e400):
-            kind = sweep_report.RUN_FIELDS[name]
-            ok, _ = sweep_report.KINDS[kind.rstrip("?")]
+            kind = RUN_FIELDS[name]
+            ok, _ = KINDS[kind.rstrip("?")]
             if not ok(wrong) and not (wrong is None and kind.endswith("?")):
                 yield f"{name} = {wrong!r}", json.dumps({**line, name: wrong}).replace("Infinity", "1e400").encode()
     for name, wrong in (("comm_per_step", [{"kind": "send", "group": [0, 1], "group_size": 2, "bytes": 8, "calls": 0}]),
@@ -322,18 +327,18 @@ def damaged_lines(line):
 
 @pytest.mark.parametrize("file", ["results.jsonl", "simulated.jsonl", "failures.jsonl"])
 def test_every_kind_of_damaged_line_is_named_and_left_out_and_the_rest_reported(tmp_path, capsys, monkeypatch, file):
-    monkeypatch.setattr(sweep_report, "_pyplot", lambda: None)  # the pictures are not the point, and each case would draw five
+    monkeypatch.setattr(pictures, "_pyplot", lambda: None)  # the pictures are not the point, and each case would draw five
     folder = sweep_folder(tmp_path)
     good = json.loads((folder / file).read_text().splitlines()[-1])
     if file == "failures.jsonl":  # its own fields
         cases = [("cut short", json.dumps(good)[:20].encode()), ("garbage", b"\x80\x81"), *[
             (f"{name} = {wrong!r}", json.dumps({**good, name: wrong}).encode())
-            for name in sweep_report.FAILURE_FIELDS for wrong in (None, 5, "", [])
-            if not sweep_report.KINDS[sweep_report.FAILURE_FIELDS[name]][0](wrong)]]
+            for name in FAILURE_FIELDS for wrong in (None, 5, "", [])
+            if not KINDS[FAILURE_FIELDS[name]][0](wrong)]]
     else:
         cases = list(damaged_lines(good))
     if file == "simulated.jsonl":  # what a prediction reads besides: its rank, its bytes, its schedule
-        for name in ("simulated_rank", "comm_per_step", *sweep_report.SIMULATED_BY_STRATEGY["pipeline"]):
+        for name in ("simulated_rank", "comm_per_step", *SIMULATED_BY_STRATEGY["pipeline"]):
             cases += [(f"no {name}", json.dumps({k: v for k, v in good.items() if k != name}).encode()),
                       (f"{name} = 'x'", json.dumps({**good, name: "x"}).encode())]
         cases += [("rank past the world", json.dumps({**good, "simulated_rank": good["world_size"]}).encode()),
@@ -392,7 +397,7 @@ def bubble_pct(pp, per_rank, m):
 def test_every_strategy_at_a_count_trains_the_same_batch_and_pipelines_take_enough_micro_batches(changes):
     s = spec(**changes)
     cfg = common.PRESETS[s["model"]]
-    rows = sweep_report.plan(s)
+    rows = plan(s)
     for n in {*s["gpus"], *s["simulate"]}:
         at_n = [r for r in rows if r["n"] == n and "skip" not in r]
         assert {r["batch"] for r in at_n} == {s["batch"] * (1 if s["strong"] else n)}, n
@@ -407,13 +412,13 @@ def test_every_strategy_at_a_count_trains_the_same_batch_and_pipelines_take_enou
             per_pipeline = r["batch"] // (r["n"] // pp)
             fits = [k for k in range(pp, per_pipeline + 1) if per_pipeline % k == 0]
             # The fewest that split the pipeline's batch and bring the ideal bubble to 10%, else one sample each.
-            small = [k for k in fits if bubble_pct(pp, per_rank, k) <= sweep_report.BUBBLE_TARGET_PCT]
+            small = [k for k in fits if bubble_pct(pp, per_rank, k) <= BUBBLE_TARGET_PCT]
             assert m == (small[0] if small else fits[-1]), (r, flags)
             assert pp * per_rank <= cfg.n_layers
 
 
 def test_the_plan_tries_the_settings_that_are_not_obvious_and_chooses_only_where_it_simulated():
-    rows = sweep_report.plan(spec(gpus=[1, 2, 4], simulate=[2, 4]))
+    rows = plan(spec(gpus=[1, 2, 4], simulate=[2, 4]))
     tried = [r["settings"][0] for r in rows if (r["script"], r["n"], r["mode"]) == ("pipeline", 4, "simulated")]
     assert tried == ["--schedule interleaved-1f1b --micro-batches 16 --stages-per-rank 2", "--schedule 1f1b --micro-batches 32"]
     measured = {(r["script"], r["n"]): r["settings"] for r in rows if r["mode"] == "measured" and "skip" not in r}
@@ -430,29 +435,29 @@ def test_the_plan_tries_the_settings_that_are_not_obvious_and_chooses_only_where
 
 def test_roles_follow_where_the_schedule_places_stages():
     # Interleaved over 4 ranks, 2 stages each, 8 blocks: rank 0 holds the embedding, rank 3 the head.
-    assert sweep_report.roles("pipeline", 4, 8, "interleaved-1f1b", 2) == {0: [0], 1: [1, 2], 3: [3]}
+    assert roles("pipeline", 4, 8, "interleaved-1f1b", 2) == {0: [0], 1: [1, 2], 3: [3]}
     # The V: rank 0 holds the first and the last stage; the others alike.
-    assert sweep_report.roles("pipeline", 4, 8, "zbv", 2) == {0: [0], 1: [1, 2, 3]}
-    assert sweep_report.roles("hybrid", 8, 8, "1f1b", 1, pp=2) == {0: [0, 1, 2, 3], 4: [4, 5, 6, 7]}
-    assert sweep_report.roles("fsdp", 4, 8) == {0: [0, 1, 2, 3]}
+    assert roles("pipeline", 4, 8, "zbv", 2) == {0: [0], 1: [1, 2, 3]}
+    assert roles("hybrid", 8, 8, "1f1b", 1, pp=2) == {0: [0, 1, 2, 3], 4: [4, 5, 6, 7]}
+    assert roles("fsdp", 4, 8) == {0: [0, 1, 2, 3]}
 
 
 def test_a_plan_with_nothing_to_run_is_refused_with_each_reason():
-    with pytest.raises(sweep_report.InputError) as refused:
-        sweep_report.plan(spec(strategies=["ddp", "hybrid"], gpus=[2], simulate=[3], batch=1, strong=True))
+    with pytest.raises(InputError) as refused:
+        plan(spec(strategies=["ddp", "hybrid"], gpus=[2], simulate=[3], batch=1, strong=True))
     assert str(refused.value) == ("nothing to run: ddp x3 global batch 1 does not split over 3 ranks; ddp x2 global batch 1 does not split "
                                   "over 2 ranks; hybrid x3 needs an even number of ranks, 2 pipeline stages x data parallel; "
                                   "hybrid x2 1 samples per pipeline cannot make a micro-batch for each of its 2 stages")
 
 
 def test_a_cpu_run_that_takes_minutes_says_so():
-    rows = sweep_report.plan(spec(device="cpu", model="350m", gpus=[1], simulate=[], strategies=["ddp"]))
+    rows = plan(spec(device="cpu", model="350m", gpus=[1], simulate=[], strategies=["ddp"]))
     minutes = float(rows[0]["note"].split()[2])
     cfg = common.PRESETS["350m"]
-    assert minutes == round(20 * common.flops_per_token(cfg, 1024) * 8 * 1024 / sweep_report.CPU_FLOPS / 60)
-    assert sweep_report.plan(spec(device="cpu", model="tiny", seq_len=64, gpus=[1], simulate=[], strategies=["ddp"]))[0]["note"] == ""
+    assert minutes == round(20 * common.flops_per_token(cfg, 1024) * 8 * 1024 / CPU_FLOPS / 60)
+    assert plan(spec(device="cpu", model="tiny", seq_len=64, gpus=[1], simulate=[], strategies=["ddp"]))[0]["note"] == ""
 
 
 def test_huge_batches_plan_at_once():
-    rows = sweep_report.plan(spec(batch=999_999_937, strategies=["pipeline"], gpus=[1], simulate=[2]))  # a prime
+    rows = plan(spec(batch=999_999_937, strategies=["pipeline"], gpus=[1], simulate=[2]))  # a prime
     assert all(math.isfinite(r["batch"]) for r in rows if "skip" not in r)
