@@ -140,7 +140,9 @@ def _run_rank(script, argv, env):
 
 
 def _run_job(request):
-    """One run: its ranks forked, waited for, the others ended when one fails; never returns."""
+    """One run: its ranks forked and waited for; never returns. When one fails the others are
+    ended, as torchrun does, unless the request asks for every rank's own exit status
+    (rank_codes: a file to write them to), which each rank then reaches by itself."""
     _die_with_parent()
     os.setpgrp()  # the server can then end the job and every rank at once
     with socket.socket() as s:
@@ -156,14 +158,18 @@ def _run_job(request):
         if pid == 0:
             _run_rank(request["script"], request["argv"], env)
         ranks[pid] = rank
+    codes = {}
     while ranks:
         pid, status = os.wait()
-        del ranks[pid]
-        rank_code = os.waitstatus_to_exitcode(status)
+        rank_code = codes[ranks.pop(pid)] = os.waitstatus_to_exitcode(status)
         if rank_code and not code:
             code = rank_code if rank_code > 0 else 128 - rank_code
-            for other in ranks:
-                os.kill(other, signal.SIGTERM)
+            if not request.get("rank_codes"):
+                for other in ranks:
+                    os.kill(other, signal.SIGTERM)
+    if request.get("rank_codes"):
+        with open(request["rank_codes"], "w") as f:
+            json.dump([codes[rank] for rank in range(nproc)], f)
     os._exit(code)
 
 
@@ -206,11 +212,11 @@ def _stop(server):
         server.kill()
 
 
-def _forked(script, nproc, argv, env, stdout, stderr, timeout, torchrun):
+def _forked(script, nproc, argv, env, stdout, stderr, timeout, torchrun, rank_codes=None):
     """Run one job on the server; returns its exit status."""
     server = _server()
     request = {"script": script, "nproc": nproc, "argv": argv, "env": env, "stdout": stdout, "stderr": stderr,
-               "timeout": timeout, "torchrun": torchrun}
+               "timeout": timeout, "torchrun": torchrun, "rank_codes": rank_codes}
     server.stdin.write(json.dumps(request) + "\n")
     server.stdin.flush()
     reply = server.stdout.readline()
@@ -221,20 +227,26 @@ def _forked(script, nproc, argv, env, stdout, stderr, timeout, torchrun):
     return code
 
 
-def run_script(script, nproc=1, args=(), env=None, timeout=120, torchrun=True, torchrun_args=(), forked=False, base=TINY):
+def run_script(script, nproc=1, args=(), env=None, timeout=120, torchrun=True, torchrun_args=(), forked=False, base=TINY, every_rank=False):
     """Run a script (a path under the repository, or anywhere) on CPU/gloo with the tiny
     model, as `torchrun --standalone --nproc_per_node=N script.py ...` or, without
     torchrun, as a plain `python script.py` (the world-of-one path); forked: its ranks
-    forked from the test server (see above). Returns (CompletedProcess, results records)."""
+    forked from the test server (see above). every_rank (forked only): no rank is ended
+    because another failed, and proc.rank_codes holds each rank's exit status. Returns
+    (CompletedProcess, results records)."""
     with tempfile.TemporaryDirectory() as tmp:
         results = os.path.join(tmp, "results.jsonl")
         argv = [str(ROOT / script), *base, *map(str, args), "--results", results]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        assert forked or not every_rank, "torchrun ends the other ranks when one fails"
         if forked:
             assert not torchrun_args, "the test server has no torchrun options"
             out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
-            code = _forked(argv[0], nproc, argv[1:], full_env, out, err, timeout, torchrun)
+            codes = os.path.join(tmp, "codes") if every_rank else None
+            code = _forked(argv[0], nproc, argv[1:], full_env, out, err, timeout, torchrun, codes)
             proc = subprocess.CompletedProcess(argv, code, Path(out).read_text(), Path(err).read_text())
+            if every_rank:
+                proc.rank_codes = json.loads(Path(codes).read_text())
         elif torchrun:
             argv = ["--standalone", f"--nproc_per_node={nproc}", *torchrun_args, *argv]
             with open(os.path.join(tmp, "out"), "w+") as out, open(os.path.join(tmp, "err"), "w+") as err:

@@ -6,6 +6,7 @@ import itertools
 import math
 import os
 import struct
+import time
 
 import pytest
 import torch
@@ -156,13 +157,23 @@ def test_dataloader_workers_run_outside_the_trainers_process_group():
     def children():
         return {int(pid) for pid in open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()}
 
+    def own_group(pid):  # a worker leaves the trainer's group first thing, once it runs
+        try:
+            return os.getpgid(pid) == pid
+        except ProcessLookupError:
+            return False
+
     cfg = common.PRESETS["tiny"]
     before = children()  # the harness's test server may be one
     batches = common.make_batches(data_args(num_workers=2), cfg, torch.device("cpu"), 4)
-    next(batches)
-    workers = [pid for pid in children() - before if "python" in open(f"/proc/{pid}/cmdline").read()]
-    assert len(workers) == 2 and all(os.getpgid(pid) == pid for pid in workers), workers
-    assert common.make_batches(data_args(), cfg, torch.device("cpu"), 4) is not None
+    next(batches)  # one worker has made a batch; the other may not have been scheduled yet
+    workers = sorted(pid for pid in children() - before if "python" in open(f"/proc/{pid}/cmdline").read())
+    # Wait for what is checked, not for a time: each worker in a group of its own (30 s is
+    # only the bound of a machine too busy to run them at all).
+    deadline = time.monotonic() + 30
+    while not (len(workers) == 2 and all(map(own_group, workers))) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(workers) == 2 and all(map(own_group, workers)), {pid: os.getpgid(pid) for pid in workers}
     batches.close()
 
 

@@ -108,8 +108,9 @@ def test_a_bad_strategy_option_is_refused_in_one_line(script, argv, message, cap
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
 
 
-# Refused once the world is known (its size decides), still before any model exists: the
-# real launch, where every rank refuses and only rank 0 says why.
+# Refused once the world is known (its size decides), still before any model exists: a
+# launch of two ranks with torchrun's environment, where every rank refuses and only rank 0
+# says why.
 BAD_LAYOUTS = [
     ("ddp_train.py", ["--global-batch-size", "3"], "--global-batch-size 3 must divide evenly over 2 ranks"),
     ("pipeline_train.py", ["--schedule", "interleaved-1f1b", "--stages-per-rank", "5"], "10 pipeline stages but only 8 blocks"),
@@ -125,10 +126,14 @@ def error_lines(stderr):
 
 @pytest.mark.parametrize("script,args,message", BAD_LAYOUTS, ids=[f"{s.removesuffix('_train.py')}-{a[-1]}" for s, a, _ in BAD_LAYOUTS])
 def test_a_layout_the_world_cannot_serve_is_refused_once(script, args, message):
-    proc, records = run_script(script, 2, args, timeout=60)
+    # No rank is ended because another one left (torchrun's agent would end the slower one
+    # wherever it was, before or after its refusal): the output is read once every rank
+    # has come to its own end, which must be the refusal, exit status 2, on every rank.
+    proc, records = run_script(script, 2, args, timeout=60, forked=True, every_rank=True)
+    assert proc.rank_codes == [2, 2], (proc.rank_codes, proc.stderr[-3000:])
     errors = error_lines(proc.stderr)
-    assert proc.returncode != 0 and len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
-    assert "[rank" not in proc.stderr and "step " not in proc.stdout and records == []
+    assert len(errors) == 1 and errors[0].startswith("error: ") and message in errors[0], proc.stderr[-3000:]
+    assert "[rank" not in proc.stderr and "Traceback" not in proc.stderr and "step " not in proc.stdout and records == []
 
 
 def test_nan_loss_stops_the_run_naming_the_step():
