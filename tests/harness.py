@@ -310,14 +310,23 @@ def param_bytes(run, dtype_bytes=4):
     return run["params"] * dtype_bytes
 
 
+# The torch.distributed.pipelining class each --schedule promises (README): written out
+# here, not read from pipeline_train.SCHEDULES, so a name that builds another class fails.
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+                   "zero-bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+
+
 def assert_pipeline_ran(run, pp, micro_batches, grad_accum, pp_group=None):
-    """What rank 0's last step shows of the schedule: which stages it ran, how many
-    micro-batches each, in which order, and what it sent to its pipeline peers."""
+    """What rank 0's last step shows of the schedule: the class that ran it, which stages
+    it ran, how many micro-batches each, in which order, and what it sent to its peers."""
     import common
     import pipeline_train
 
     schedule, per_rank = run["schedule"], run["stages_per_rank"]
     n_stages = pp * per_rank
+    assert run["schedule_class"] == TORCH_SCHEDULES[schedule], (schedule, run["schedule_class"])
+    # Each grad-accum round runs the schedule's order for rank 0 once: the order the replay uses.
+    assert run["actions_last_step"] == run["pipeline_order"]["0"] * grad_accum, (run["actions_last_step"], run["pipeline_order"]["0"])
     mine = pipeline_train.stages_of_rank(schedule, 0, pp, per_rank)
     actions = [(a[0], int(a[1:].split(":")[0]), int(a.split(":")[1])) for a in run["actions_last_step"]]
     assert sorted({s for _, s, _ in actions}) == sorted(mine), actions
