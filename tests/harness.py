@@ -273,6 +273,12 @@ def _launch(script, nproc, *args):
     return records[0]
 
 
+def simulate(script, n, rank=0, *args):
+    """A one-process run as rank `rank` of an n-rank job (--simulate; no torchrun: it is one
+    process); cached like launch()."""
+    return launch(script, 1, "--simulate", n, "--simulate-rank", rank, *args)
+
+
 def checkpointed(script, nproc, *args):
     """A parity run that also saves a checkpoint every 2 steps, into a folder of its own
     under CHECKPOINTS; returns (record, folder). Cached like launch()."""
