@@ -50,6 +50,13 @@ def test_token_file_windows_and_its_checks(tmp_path):
     odd, short = tmp_path / "odd.bin", tmp_path / "short.bin"
     odd.write_bytes(b"abc")
     short.write_bytes(struct.pack("<10H", *range(10)))
+    # A file of exactly --seq-len + 2 tokens (test_boundaries: one fewer is refused) gives whole windows.
+    enough = tmp_path / "enough.bin"
+    enough.write_bytes(struct.pack("<18H", *range(18)))
+    token_file.check_token_file(str(enough), vocab_size=300, seq_len=16)
+    for i in range(20):
+        x, y = token_file.TokenFile(str(enough), seq_len=16, seed=0)[i]
+        assert torch.equal(x, torch.arange(int(x[0]), int(x[0]) + 16)) and torch.equal(x[1:], y[:-1]) and len(y) == 16
     for bad, vocab, message in [(path, 299, "token id 299, beyond the vocabulary of 299: set --vocab-size 300"),
                                 (tmp_path / "missing.bin", 300, "does not exist"), (tmp_path, 300, "is not a file"),
                                 (odd, 300, "odd count"), (short, 300, "holds 10 tokens; one sample needs")]:
