@@ -38,6 +38,8 @@ AS_REAL = [
     # Zero-bubble's weight gradients, which FSDP then reduce-scatters: every stage of the rank computes them.
     ("hybrid_train.py", 4, ("--pp", 2, "--dp-wrapper", "fsdp", "--schedule", "zero-bubble", "--micro-batches", 2, *CLIP), False),
     ("hybrid_train.py", 4, ("--pp", 2, "--dp-wrapper", "fsdp", "--schedule", "zbv", "--micro-batches", 2, "--grad-accum", "2"), False),
+    # FSDP's bf16 policy casts each stage's input: the simulated stage must expect bf16 from its peer.
+    ("hybrid_train.py", 4, ("--pp", 2, "--dp-wrapper", "fsdp", "--schedule", "gpipe", "--micro-batches", 2, "--dtype", "bf16"), False),
 ]
 
 
@@ -50,6 +52,33 @@ def test_a_simulated_rank_counts_the_bytes_a_real_one_sends(script, nproc, args,
     assert sim["comm_per_step"] == real["comm_per_step"]
     if "actions_last_step" in real:  # a pipeline's: the same schedule, the same order of work
         assert sim["actions_last_step"] == real["actions_last_step"]
+
+
+# --dtype bf16, by what each strategy then sends (a simulated rank 0 of 2, or of 4 for
+# hybrid): {kind: the dtypes of its entries}.
+BF16_ON_THE_WIRE = [
+    # Autocast computes in bf16 but keeps fp32 weights: their gradients are all-reduced in fp32.
+    ("ddp_train.py", 2, (), {"all_reduce": {"float32"}}),
+    # Forward's partial sums come out of bf16 matmuls; backward's input gradients are fp32
+    # (the norms before the column-parallel matmuls run in fp32).
+    ("tensor_parallel_train.py", 2, (), {"all_reduce": {"bfloat16", "float32"}}),
+    # FSDP gathers bf16 weights, reduces fp32 gradients; the ring passes bf16 keys and
+    # values, and sums their gradients in fp32.
+    ("context_parallel_train.py", 2, (), {"all_gather": {"bfloat16"}, "reduce_scatter": {"float32"}, "send": {"bfloat16", "float32"}}),
+    # Under autocast the residual stream between stages stays fp32 ...
+    ("pipeline_train.py", 2, (), {"send": {"float32"}}),
+    ("model_parallel_train.py", 2, (), {"send": {"float32"}}),
+    ("hybrid_train.py", 4, ("--dp-wrapper", "ddp"), {"send": {"float32"}}),
+    # ... but FSDP's policy casts each unit's input, so with FSDP stages it crosses in bf16.
+    ("hybrid_train.py", 4, (), {"send": {"bfloat16"}, "all_gather": {"bfloat16"}, "reduce_scatter": {"float32"}}),
+]
+
+
+@pytest.mark.parametrize("script,nproc,args,dtypes", BF16_ON_THE_WIRE,
+                         ids=[f"{s.removesuffix('_train.py')}{'-' if a else ''}{'-'.join(a).strip('-')}" for s, _, a, _ in BF16_ON_THE_WIRE])
+def test_bf16_crosses_the_wire_where_the_strategy_computes_in_it(script, nproc, args, dtypes):
+    run = simulate(script, nproc, 0, "--dtype", "bf16", *args)
+    assert {kind: {e["dtype"] for e in run["comm_per_step"] if e["kind"] == kind} for kind in dtypes} == dtypes
 
 
 @pytest.mark.parametrize("n", [2, 8])
