@@ -137,9 +137,12 @@ def test_a_layout_the_world_cannot_serve_is_refused_once(script, args, message):
 
 
 def test_nan_loss_stops_the_run_naming_the_step():
-    proc, records = run_script("ddp_train.py", 2, ["--steps", "6"], env={"TRAIN_FAULT": "nan:3"}, timeout=60)
+    # Every rank sees the agreed NaN and stops by itself (none ended for another's exit, which
+    # under torchrun could take rank 0 before it says why); only rank 0 speaks.
+    proc, records = run_script("ddp_train.py", 2, ["--steps", "6"], env={"TRAIN_FAULT": "nan:3"}, timeout=60, forked=True, every_rank=True)
     errors = error_lines(proc.stderr)
-    assert proc.returncode != 0 and len(errors) == 1 and errors[0].startswith("error: loss is nan at step 3"), proc.stderr[-3000:]
+    assert proc.rank_codes == [3, 3], (proc.rank_codes, proc.stderr[-3000:])
+    assert len(errors) == 1 and errors[0].startswith("error: loss is nan at step 3"), proc.stderr[-3000:]
     assert "step     3/" not in proc.stdout and records == []
 
 
@@ -178,23 +181,40 @@ def test_an_uncaught_error_ends_the_job_and_its_dataloader_workers():
 
 
 def test_every_rank_stalled_ends_the_job_within_the_timeout_in_one_line():
-    # No collective is waiting on a live peer here, so only the step watchdog can end it.
-    marker = f"TEST_MARKER={uuid.uuid4()}"
+    # No collective is waiting on a live peer here, so only each rank's step watchdog can end
+    # it. No rank is ended because another left (under torchrun the first rank whose
+    # watchdog fires takes the others with it, rank 0 too, before it has said why): every
+    # rank must end by its own watchdog, and only rank 0 speak.
     start = time.monotonic()
-    proc, records = run_script("ddp_train.py", 2, ["--steps", "50", "--timeout", "3", "--num-workers", "1"], timeout=60,
+    proc, records = run_script("ddp_train.py", 2, ["--steps", "50", "--timeout", "3"], env={"TRAIN_FAULT": "hang:2"}, timeout=30,
+                               forked=True, every_rank=True)
+    errors = error_lines(proc.stderr)
+    assert proc.rank_codes == [1, 1], (proc.rank_codes, proc.stderr[-3000:])
+    assert len(errors) == 1 and errors[0].startswith("error: no progress for 3 s after step 1"), proc.stderr[-3000:]
+    assert time.monotonic() - start < 30 and records == []
+
+
+def test_a_stalled_rank_ends_with_its_dataloader_worker_under_torchrun():
+    # The launch users run (one rank: the first to end would take the others with it): the
+    # watchdog's exit ends the rank's DataLoader worker too.
+    marker = f"TEST_MARKER={uuid.uuid4()}"
+    proc, records = run_script("ddp_train.py", 1, ["--steps", "50", "--timeout", "3", "--num-workers", "1"], timeout=30,
                                env={"TRAIN_FAULT": "hang:2", marker.split("=")[0]: marker.split("=")[1]})
     errors = error_lines(proc.stderr)
     assert proc.returncode != 0 and len(errors) == 1 and errors[0].startswith("error: no progress for 3 s after step 1"), proc.stderr[-3000:]
-    assert time.monotonic() - start < 30 and records == []
+    assert records == []
     assert_all_gone(marker)
 
 
 def test_a_silent_peer_fails_the_job_within_the_timeout():
     start = time.monotonic()
-    proc, records = run_script("ddp_train.py", 2, ["--steps", "50", "--timeout", "3"], env={"TRAIN_FAULT": "hang:2:1"}, timeout=60)
+    proc, records = run_script("ddp_train.py", 2, ["--steps", "50", "--timeout", "3"], env={"TRAIN_FAULT": "hang:2:1"}, timeout=30,
+                               forked=True, every_rank=True)
     errors = error_lines(proc.stderr)
-    # Rank 0 waits in a collective for rank 1: it times out, or sees rank 1's watchdog end it.
-    assert proc.returncode != 0 and len(errors) == 1 and errors[0].startswith("error: rank 0 lost a peer ("), proc.stderr[-3000:]
+    # Rank 0 waits in a collective for rank 1: it times out, or sees rank 1's watchdog end
+    # it. Every rank comes to its own end (none is ended for another's), only rank 0 speaks.
+    assert proc.rank_codes == [1, 1], (proc.rank_codes, proc.stderr[-3000:])
+    assert len(errors) == 1 and errors[0].startswith("error: rank 0 lost a peer ("), proc.stderr[-3000:]
     assert time.monotonic() - start < 30 and records == []
 
 
