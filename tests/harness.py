@@ -142,9 +142,12 @@ def _run_rank(script, argv, env):
 def _run_job(request):
     """One run: its ranks forked and waited for; never returns. When one fails the others are
     ended, as torchrun does, unless the request asks for every rank's own exit status
-    (rank_codes: a file to write them to), which each rank then reaches by itself."""
+    (rank_codes: a file to write them to, with the job's session id), which each rank then
+    reaches by itself."""
     _die_with_parent()
-    os.setpgrp()  # the server can then end the job and every rank at once
+    # A session of its own, whose id every process of the job keeps, DataLoader workers that
+    # leave their rank's process group included; its process group lets the server end it.
+    os.setsid()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -169,7 +172,7 @@ def _run_job(request):
                     os.kill(other, signal.SIGTERM)
     if request.get("rank_codes"):
         with open(request["rank_codes"], "w") as f:
-            json.dump([codes[rank] for rank in range(nproc)], f)
+            json.dump({"codes": [codes[rank] for rank in range(nproc)], "session": os.getsid(0)}, f)
     os._exit(code)
 
 
@@ -232,8 +235,8 @@ def run_script(script, nproc=1, args=(), env=None, timeout=120, torchrun=True, t
     model, as `torchrun --standalone --nproc_per_node=N script.py ...` or, without
     torchrun, as a plain `python script.py` (the world-of-one path); forked: its ranks
     forked from the test server (see above). every_rank (forked only): no rank is ended
-    because another failed, and proc.rank_codes holds each rank's exit status. Returns
-    (CompletedProcess, results records)."""
+    because another failed, proc.rank_codes holds each rank's exit status and proc.session
+    the session id every process of the job had. Returns (CompletedProcess, results records)."""
     with tempfile.TemporaryDirectory() as tmp:
         results = os.path.join(tmp, "results.jsonl")
         argv = [str(ROOT / script), *base, *map(str, args), "--results", results]
@@ -246,7 +249,8 @@ def run_script(script, nproc=1, args=(), env=None, timeout=120, torchrun=True, t
             code = _forked(argv[0], nproc, argv[1:], full_env, out, err, timeout, torchrun, codes)
             proc = subprocess.CompletedProcess(argv, code, Path(out).read_text(), Path(err).read_text())
             if every_rank:
-                proc.rank_codes = json.loads(Path(codes).read_text())
+                ended = json.loads(Path(codes).read_text())
+                proc.rank_codes, proc.session = ended["codes"], ended["session"]
         elif torchrun:
             argv = ["--standalone", f"--nproc_per_node={nproc}", *torchrun_args, *argv]
             with open(os.path.join(tmp, "out"), "w+") as out, open(os.path.join(tmp, "err"), "w+") as err:
