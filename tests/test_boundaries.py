@@ -92,6 +92,10 @@ class Accepted(Exception):
     """Every check before training passed: the script went on to make its optimizer."""
 
 
+def accept(*_, **__):
+    raise Accepted
+
+
 @pytest.fixture
 def files(tmp_path):
     """Token files of 34 (one sample of --seq-len 32 and the draw's one more) and 33 tokens,
@@ -106,7 +110,7 @@ def checked(script, argv, capsys, monkeypatch):
     """Run a script's main() under common.run as `python script.py ARGV`, up to its
     optimizer; returns "accepted", or (exit status, stderr lines) of its refusal."""
     module = importlib.import_module(script.removesuffix(".py"))
-    monkeypatch.setattr(common, "make_optimizer", lambda *_: (_ for _ in ()).throw(Accepted()))
+    monkeypatch.setattr(common, "make_optimizer", accept)
     monkeypatch.setattr(dist, "recv", dist.recv)  # --simulate replaces it: put back after the test
     monkeypatch.setattr(sys, "argv", [script, *TINY, *argv])
     try:
@@ -135,7 +139,7 @@ def test_powersgd_must_start_before_the_last_step(capsys, monkeypatch):
     import ddp_train
 
     monkeypatch.setattr(common, "init_distributed", lambda args: common.Env(0, 2, 0, torch.device("cpu")))
-    monkeypatch.setattr(common, "build_model", lambda *_, **__: (_ for _ in ()).throw(Accepted()))
+    monkeypatch.setattr(common, "build_model", accept)
     for start, accepted in ((3, True), (4, False)):
         monkeypatch.setattr(sys, "argv", ["ddp_train.py", *TINY, "--comm-hook", "powersgd", "--powersgd-start-iter", str(start)])
         with pytest.raises(Accepted if accepted else SystemExit) as ended:
