@@ -140,9 +140,14 @@ def _run_rank(script, argv, env):
 
 
 def _run_job(request):
-    """One run: its ranks forked, waited for, the others ended when one fails; never returns."""
+    """One run: its ranks forked and waited for; never returns. When one fails the others are
+    ended, as torchrun does, unless the request asks for every rank's own exit status
+    (rank_codes: a file to write them to, with the job's session id), which each rank then
+    reaches by itself."""
     _die_with_parent()
-    os.setpgrp()  # the server can then end the job and every rank at once
+    # A session of its own, whose id every process of the job keeps, DataLoader workers that
+    # leave their rank's process group included; its process group lets the server end it.
+    os.setsid()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -156,14 +161,18 @@ def _run_job(request):
         if pid == 0:
             _run_rank(request["script"], request["argv"], env)
         ranks[pid] = rank
+    codes = {}
     while ranks:
         pid, status = os.wait()
-        del ranks[pid]
-        rank_code = os.waitstatus_to_exitcode(status)
+        rank_code = codes[ranks.pop(pid)] = os.waitstatus_to_exitcode(status)
         if rank_code and not code:
             code = rank_code if rank_code > 0 else 128 - rank_code
-            for other in ranks:
-                os.kill(other, signal.SIGTERM)
+            if not request.get("rank_codes"):
+                for other in ranks:
+                    os.kill(other, signal.SIGTERM)
+    if request.get("rank_codes"):
+        with open(request["rank_codes"], "w") as f:
+            json.dump({"codes": [codes[rank] for rank in range(nproc)], "session": os.getsid(0)}, f)
     os._exit(code)
 
 
@@ -206,11 +215,11 @@ def _stop(server):
         server.kill()
 
 
-def _forked(script, nproc, argv, env, stdout, stderr, timeout, torchrun):
+def _forked(script, nproc, argv, env, stdout, stderr, timeout, torchrun, rank_codes=None):
     """Run one job on the server; returns its exit status."""
     server = _server()
     request = {"script": script, "nproc": nproc, "argv": argv, "env": env, "stdout": stdout, "stderr": stderr,
-               "timeout": timeout, "torchrun": torchrun}
+               "timeout": timeout, "torchrun": torchrun, "rank_codes": rank_codes}
     server.stdin.write(json.dumps(request) + "\n")
     server.stdin.flush()
     reply = server.stdout.readline()
@@ -221,20 +230,27 @@ def _forked(script, nproc, argv, env, stdout, stderr, timeout, torchrun):
     return code
 
 
-def run_script(script, nproc=1, args=(), env=None, timeout=120, torchrun=True, torchrun_args=(), forked=False, base=TINY):
+def run_script(script, nproc=1, args=(), env=None, timeout=120, torchrun=True, torchrun_args=(), forked=False, base=TINY, every_rank=False):
     """Run a script (a path under the repository, or anywhere) on CPU/gloo with the tiny
     model, as `torchrun --standalone --nproc_per_node=N script.py ...` or, without
     torchrun, as a plain `python script.py` (the world-of-one path); forked: its ranks
-    forked from the test server (see above). Returns (CompletedProcess, results records)."""
+    forked from the test server (see above). every_rank (forked only): no rank is ended
+    because another failed, proc.rank_codes holds each rank's exit status and proc.session
+    the session id every process of the job had. Returns (CompletedProcess, results records)."""
     with tempfile.TemporaryDirectory() as tmp:
         results = os.path.join(tmp, "results.jsonl")
         argv = [str(ROOT / script), *base, *map(str, args), "--results", results]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        assert forked or not every_rank, "torchrun ends the other ranks when one fails"
         if forked:
             assert not torchrun_args, "the test server has no torchrun options"
             out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
-            code = _forked(argv[0], nproc, argv[1:], full_env, out, err, timeout, torchrun)
+            codes = os.path.join(tmp, "codes") if every_rank else None
+            code = _forked(argv[0], nproc, argv[1:], full_env, out, err, timeout, torchrun, codes)
             proc = subprocess.CompletedProcess(argv, code, Path(out).read_text(), Path(err).read_text())
+            if every_rank:
+                ended = json.loads(Path(codes).read_text())
+                proc.rank_codes, proc.session = ended["codes"], ended["session"]
         elif torchrun:
             argv = ["--standalone", f"--nproc_per_node={nproc}", *torchrun_args, *argv]
             with open(os.path.join(tmp, "out"), "w+") as out, open(os.path.join(tmp, "err"), "w+") as err:
@@ -259,6 +275,12 @@ def _launch(script, nproc, *args):
     assert proc.returncode == 0, f"{script} x{nproc} {args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert len(records) == 1, f"expected one results line, got {len(records)}"
     return records[0]
+
+
+def simulate(script, n, rank=0, *args):
+    """A one-process run as rank `rank` of an n-rank job (--simulate; no torchrun: it is one
+    process); cached like launch()."""
+    return launch(script, 1, "--simulate", n, "--simulate-rank", rank, *args)
 
 
 def checkpointed(script, nproc, *args):
@@ -298,14 +320,23 @@ def param_bytes(run, dtype_bytes=4):
     return run["params"] * dtype_bytes
 
 
+# The torch.distributed.pipelining class each --schedule promises (README): written out
+# here, not read from pipeline_train.SCHEDULES, so a name that builds another class fails.
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+                   "zero-bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+
+
 def assert_pipeline_ran(run, pp, micro_batches, grad_accum, pp_group=None):
-    """What rank 0's last step shows of the schedule: which stages it ran, how many
-    micro-batches each, in which order, and what it sent to its pipeline peers."""
+    """What rank 0's last step shows of the schedule: the class that ran it, which stages
+    it ran, how many micro-batches each, in which order, and what it sent to its peers."""
     import common
     import pipeline_train
 
     schedule, per_rank = run["schedule"], run["stages_per_rank"]
     n_stages = pp * per_rank
+    assert run["schedule_class"] == TORCH_SCHEDULES[schedule], (schedule, run["schedule_class"])
+    # Each grad-accum round runs the schedule's order for rank 0 once: the order the replay uses.
+    assert run["actions_last_step"] == run["pipeline_order"]["0"] * grad_accum, (run["actions_last_step"], run["pipeline_order"]["0"])
     mine = pipeline_train.stages_of_rank(schedule, 0, pp, per_rank)
     actions = [(a[0], int(a[1:].split(":")[0]), int(a.split(":")[1])) for a in run["actions_last_step"]]
     assert sorted({s for _, s, _ in actions}) == sorted(mine), actions

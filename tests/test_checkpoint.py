@@ -21,7 +21,7 @@ HYBRID_DP4 = ("--pp", 1, "--dp-wrapper", "fsdp", "--schedule", "gpipe", "--micro
 RESUMABLE = [
     ("ddp_train.py", 2, (), 2, ()),
     ("model_parallel_train.py", 2, (), 2, ()),
-    ("pipeline_train.py", 2, ("--schedule", "gpipe", "--micro-batches", 2), 1, ("--schedule", "gpipe", "--micro-batches", 2)),
+    ("pipeline_train.py", 2, ("--schedule", "gpipe", "--micro-batches", 4), 1, ("--schedule", "gpipe", "--micro-batches", 4)),
     ("hybrid_train.py", 4, HYBRID_DP4, 2, ("--pp", 2, "--schedule", "gpipe", "--micro-batches", 2)),
     ("fsdp_train.py", 2, (), 2, ()),
     ("tensor_parallel_train.py", 2, (), 2, ()),

@@ -6,6 +6,7 @@ import itertools
 import math
 import os
 import struct
+import time
 
 import pytest
 import torch
@@ -49,6 +50,13 @@ def test_token_file_windows_and_its_checks(tmp_path):
     odd, short = tmp_path / "odd.bin", tmp_path / "short.bin"
     odd.write_bytes(b"abc")
     short.write_bytes(struct.pack("<10H", *range(10)))
+    # A file of exactly --seq-len + 2 tokens (test_boundaries: one fewer is refused) gives whole windows.
+    enough = tmp_path / "enough.bin"
+    enough.write_bytes(struct.pack("<18H", *range(18)))
+    token_file.check_token_file(str(enough), vocab_size=300, seq_len=16)
+    for i in range(20):
+        x, y = token_file.TokenFile(str(enough), seq_len=16, seed=0)[i]
+        assert torch.equal(x, torch.arange(int(x[0]), int(x[0]) + 16)) and torch.equal(x[1:], y[:-1]) and len(y) == 16
     for bad, vocab, message in [(path, 299, "token id 299, beyond the vocabulary of 299: set --vocab-size 300"),
                                 (tmp_path / "missing.bin", 300, "does not exist"), (tmp_path, 300, "is not a file"),
                                 (odd, 300, "odd count"), (short, 300, "holds 10 tokens; one sample needs")]:
@@ -156,13 +164,23 @@ def test_dataloader_workers_run_outside_the_trainers_process_group():
     def children():
         return {int(pid) for pid in open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()}
 
+    def own_group(pid):  # a worker leaves the trainer's group first thing, once it runs
+        try:
+            return os.getpgid(pid) == pid
+        except ProcessLookupError:
+            return False
+
     cfg = common.PRESETS["tiny"]
     before = children()  # the harness's test server may be one
     batches = common.make_batches(data_args(num_workers=2), cfg, torch.device("cpu"), 4)
-    next(batches)
-    workers = [pid for pid in children() - before if "python" in open(f"/proc/{pid}/cmdline").read()]
-    assert len(workers) == 2 and all(os.getpgid(pid) == pid for pid in workers), workers
-    assert common.make_batches(data_args(), cfg, torch.device("cpu"), 4) is not None
+    next(batches)  # one worker has made a batch; the other may not have been scheduled yet
+    workers = sorted(pid for pid in children() - before if "python" in open(f"/proc/{pid}/cmdline").read())
+    # Wait for what is checked, not for a time: each worker in a group of its own (30 s is
+    # only the bound of a machine too busy to run them at all).
+    deadline = time.monotonic() + 30
+    while not (len(workers) == 2 and all(map(own_group, workers))) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(workers) == 2 and all(map(own_group, workers)), {pid: os.getpgid(pid) for pid in workers}
     batches.close()
 
 

@@ -108,8 +108,9 @@ def test_a_bad_strategy_option_is_refused_in_one_line(script, argv, message, cap
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
 
 
-# Refused once the world is known (its size decides), still before any model exists: the
-# real launch, where every rank refuses and only rank 0 says why.
+# Refused once the world is known (its size decides), still before any model exists: a
+# launch of two ranks with torchrun's environment, where every rank refuses and only rank 0
+# says why.
 BAD_LAYOUTS = [
     ("ddp_train.py", ["--global-batch-size", "3"], "--global-batch-size 3 must divide evenly over 2 ranks"),
     ("pipeline_train.py", ["--schedule", "interleaved-1f1b", "--stages-per-rank", "5"], "10 pipeline stages but only 8 blocks"),
@@ -125,16 +126,23 @@ def error_lines(stderr):
 
 @pytest.mark.parametrize("script,args,message", BAD_LAYOUTS, ids=[f"{s.removesuffix('_train.py')}-{a[-1]}" for s, a, _ in BAD_LAYOUTS])
 def test_a_layout_the_world_cannot_serve_is_refused_once(script, args, message):
-    proc, records = run_script(script, 2, args, timeout=60)
+    # No rank is ended because another one left (torchrun's agent would end the slower one
+    # wherever it was, before or after its refusal): the output is read once every rank
+    # has come to its own end, which must be the refusal, exit status 2, on every rank.
+    proc, records = run_script(script, 2, args, timeout=60, forked=True, every_rank=True)
+    assert proc.rank_codes == [2, 2], (proc.rank_codes, proc.stderr[-3000:])
     errors = error_lines(proc.stderr)
-    assert proc.returncode != 0 and len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
-    assert "[rank" not in proc.stderr and "step " not in proc.stdout and records == []
+    assert len(errors) == 1 and errors[0].startswith("error: ") and message in errors[0], proc.stderr[-3000:]
+    assert "[rank" not in proc.stderr and "Traceback" not in proc.stderr and "step " not in proc.stdout and records == []
 
 
 def test_nan_loss_stops_the_run_naming_the_step():
-    proc, records = run_script("ddp_train.py", 2, ["--steps", "6"], env={"TRAIN_FAULT": "nan:3"}, timeout=60)
+    # Every rank sees the agreed NaN and stops by itself (none ended for another's exit, which
+    # under torchrun could take rank 0 before it says why); only rank 0 speaks.
+    proc, records = run_script("ddp_train.py", 2, ["--steps", "6"], env={"TRAIN_FAULT": "nan:3"}, timeout=60, forked=True, every_rank=True)
     errors = error_lines(proc.stderr)
-    assert proc.returncode != 0 and len(errors) == 1 and errors[0].startswith("error: loss is nan at step 3"), proc.stderr[-3000:]
+    assert proc.rank_codes == [3, 3], (proc.rank_codes, proc.stderr[-3000:])
+    assert len(errors) == 1 and errors[0].startswith("error: loss is nan at step 3"), proc.stderr[-3000:]
     assert "step     3/" not in proc.stdout and records == []
 
 
@@ -155,11 +163,35 @@ def processes_marked(marker):
     return found
 
 
-def assert_all_gone(marker, within=10):
+def processes_in_session(session):
+    """Live processes of a session (a forked job's: its ranks and their DataLoader workers,
+    which leave their rank's process group but not its session)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as s:
+                state, _, _, sid = s.read().split(")")[-1].split()[:4]
+        except OSError:
+            continue
+        if int(sid) == session and state != "Z":
+            found.append(int(pid))
+    return found
+
+
+def wait_all_gone(find, within=10):
+    """Until find() finds no process (a DataLoader worker sees its trainer gone within 5 s);
+    what is left after `within` seconds is killed, and the test fails."""
     deadline = time.monotonic() + within
-    while processes_marked(marker):
-        assert time.monotonic() < deadline, f"processes left running: {processes_marked(marker)}"
+    while left := find():
+        if time.monotonic() > deadline:
+            for pid in left:
+                os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"processes left running: {left}")
         time.sleep(0.2)
+
+
+def assert_all_gone(marker, within=10):
+    wait_all_gone(lambda: processes_marked(marker), within)
 
 
 def test_an_uncaught_error_ends_the_job_and_its_dataloader_workers():
@@ -173,23 +205,29 @@ def test_an_uncaught_error_ends_the_job_and_its_dataloader_workers():
 
 
 def test_every_rank_stalled_ends_the_job_within_the_timeout_in_one_line():
-    # No collective is waiting on a live peer here, so only the step watchdog can end it.
-    marker = f"TEST_MARKER={uuid.uuid4()}"
+    # No collective is waiting on a live peer here, so only each rank's step watchdog can end
+    # it. No rank is ended because another left (under torchrun the first rank whose
+    # watchdog fires takes the others with it, rank 0 too, before it has said why): every
+    # rank must end by its own watchdog, its DataLoader worker with it, and only rank 0 speak.
     start = time.monotonic()
-    proc, records = run_script("ddp_train.py", 2, ["--steps", "50", "--timeout", "3", "--num-workers", "1"], timeout=60,
-                               env={"TRAIN_FAULT": "hang:2", marker.split("=")[0]: marker.split("=")[1]})
+    proc, records = run_script("ddp_train.py", 2, ["--steps", "50", "--timeout", "3", "--num-workers", "1"], env={"TRAIN_FAULT": "hang:2"},
+                               timeout=30, forked=True, every_rank=True)
     errors = error_lines(proc.stderr)
-    assert proc.returncode != 0 and len(errors) == 1 and errors[0].startswith("error: no progress for 3 s after step 1"), proc.stderr[-3000:]
+    assert proc.rank_codes == [1, 1], (proc.rank_codes, proc.stderr[-3000:])
+    assert len(errors) == 1 and errors[0].startswith("error: no progress for 3 s after step 1"), proc.stderr[-3000:]
     assert time.monotonic() - start < 30 and records == []
-    assert_all_gone(marker)
+    wait_all_gone(lambda: processes_in_session(proc.session))
 
 
 def test_a_silent_peer_fails_the_job_within_the_timeout():
     start = time.monotonic()
-    proc, records = run_script("ddp_train.py", 2, ["--steps", "50", "--timeout", "3"], env={"TRAIN_FAULT": "hang:2:1"}, timeout=60)
+    proc, records = run_script("ddp_train.py", 2, ["--steps", "50", "--timeout", "3"], env={"TRAIN_FAULT": "hang:2:1"}, timeout=30,
+                               forked=True, every_rank=True)
     errors = error_lines(proc.stderr)
-    # Rank 0 waits in a collective for rank 1: it times out, or sees rank 1's watchdog end it.
-    assert proc.returncode != 0 and len(errors) == 1 and errors[0].startswith("error: rank 0 lost a peer ("), proc.stderr[-3000:]
+    # Rank 0 waits in a collective for rank 1: it times out, or sees rank 1's watchdog end
+    # it. Every rank comes to its own end (none is ended for another's), only rank 0 speaks.
+    assert proc.rank_codes == [1, 1], (proc.rank_codes, proc.stderr[-3000:])
+    assert len(errors) == 1 and errors[0].startswith("error: rank 0 lost a peer ("), proc.stderr[-3000:]
     assert time.monotonic() - start < 30 and records == []
 
 

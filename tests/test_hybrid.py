@@ -8,22 +8,22 @@ from harness import assert_losses_match, assert_pipeline_ran, checkpointed, comm
 
 CLIP = ["--grad-clip", "0.3"]  # below every step's gradient norm (see test_ddp)
 CASES = [
-    # pp, dp wrapper, schedule, extra flags (pp=2 gives dp=2 on 4 ranks)
-    (4, "fsdp", "1f1b", CLIP),  # dp=1: a pure pipeline through the hybrid script
-    (2, "fsdp", "interleaved-1f1b", ["--mesh-order", "dp-pp"]),
-    (2, "fsdp", "zero-bubble", CLIP),
-    (2, "fsdp", "zbv", ["--grad-accum", "2"]),
-    (1, "fsdp", "gpipe", []),  # dp=4: pure FSDP, one stage
-    (2, "ddp", "gpipe", CLIP),
-    (2, "ddp", "1f1b", ["--grad-accum", "2"]),
-    (2, "ddp", "interleaved-1f1b", []),
+    # pp, dp wrapper, schedule, micro-batches, extra flags (pp=2 gives dp=2 on 4 ranks)
+    (4, "fsdp", "1f1b", 4, CLIP),  # dp=1: a pure pipeline through the hybrid script
+    (2, "fsdp", "interleaved-1f1b", 2, ["--mesh-order", "dp-pp"]),
+    (2, "fsdp", "zero-bubble", 2, CLIP),
+    (2, "fsdp", "zbv", 2, ["--grad-accum", "2"]),
+    (1, "fsdp", "gpipe", 2, []),  # dp=4: pure FSDP, one stage
+    (2, "ddp", "gpipe", 4, CLIP),  # more micro-batches than stages: GPipe's order is not 1F1B's
+    (2, "ddp", "1f1b", 2, ["--grad-accum", "2"]),
+    (2, "ddp", "interleaved-1f1b", 2, []),
 ]
 
 
-@pytest.mark.parametrize("pp,wrapper,schedule,extra", CASES,
-                         ids=[f"pp{p}-dp{4 // p}-{w}-{s}{'-' + e[0].strip('-') if e else ''}" for p, w, s, e in CASES])
-def test_hybrid_matches_single_process(pp, wrapper, schedule, extra):
-    args = ["--pp", pp, "--dp-wrapper", wrapper, "--schedule", schedule, "--micro-batches", 4 if pp == 4 else 2, *extra]
+@pytest.mark.parametrize("pp,wrapper,schedule,micro_batches,extra", CASES,
+                         ids=[f"pp{p}-dp{4 // p}-{w}-{s}{'-' + e[0].strip('-') if e else ''}" for p, w, s, _, e in CASES])
+def test_hybrid_matches_single_process(pp, wrapper, schedule, micro_batches, extra):
+    args = ["--pp", pp, "--dp-wrapper", wrapper, "--schedule", schedule, "--micro-batches", micro_batches, *extra]
     if schedule == "zbv" and pipeline_train.torch_version() < (2, 13):
         proc, _ = run_script("hybrid_train.py", 4, args, forked=True)  # see test_pipeline: refused on gloo here
         assert proc.returncode != 0 and proc.stderr.count("error: --schedule zbv on gloo needs torch 2.13") == 1, proc.stderr[-3000:]
@@ -43,7 +43,7 @@ def test_hybrid_matches_single_process(pp, wrapper, schedule, extra):
     assert run["group_ranks"] == groups
     grad_accum = int(extra[extra.index("--grad-accum") + 1]) if "--grad-accum" in extra else 1
     if pp > 1:
-        assert_pipeline_ran(run, pp, 4 if pp == 4 else 2, grad_accum, pp_group=groups["pp"])
+        assert_pipeline_ran(run, pp, micro_batches, grad_accum, pp_group=groups["pp"])
     if dp > 1:  # DDP all-reduces the stage's gradients among replicas; FSDP gathers and reduce-scatters them
         kinds = {"all_reduce"} if wrapper == "ddp" else {"all_gather", "reduce_scatter"}
         assert {e["kind"] for e in run["comm_per_step"] if e["group"] == groups["dp"] and e["bytes"] > 1024} == kinds

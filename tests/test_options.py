@@ -24,8 +24,9 @@ EFFECTS = {
     "--help": f"{REPORTING_ONLY}: argparse's own",
     "--model": ["test_options.py::test_model_options_shape_the_model"],
     "--vocab-size": ["test_options.py::test_model_options_shape_the_model", "test_checkpoint.py::test_a_finished_run_has_nothing_to_do_and_another_batch_is_refused"],
-    "--seq-len": ["test_options.py::test_model_options_shape_the_model"],
-    "--data": ["test_common.py::test_data_file_feeds_the_batches", "test_common.py::test_token_file_windows_and_its_checks"],
+    "--seq-len": ["test_options.py::test_model_options_shape_the_model", "test_boundaries.py::test_exactly_enough_passes_and_one_short_is_refused_in_one_line"],
+    "--data": ["test_common.py::test_data_file_feeds_the_batches", "test_common.py::test_token_file_windows_and_its_checks",
+               "test_boundaries.py::test_exactly_enough_passes_and_one_short_is_refused_in_one_line"],
     "--num-workers": ["test_common.py::test_dataloader_workers_run_outside_the_trainers_process_group", "test_errors.py::test_an_uncaught_error_ends_the_job_and_its_dataloader_workers"],
     "--steps": ["test_oracle.py", "test_ddp.py::test_results_line_has_every_field"],
     "--global-batch-size": ["test_oracle.py", "test_run_all.py"],
@@ -35,12 +36,16 @@ EFFECTS = {
     "--weight-decay": ["test_oracle.py"],
     "--grad-clip": ["test_oracle.py", "test_ddp.py::test_ddp_clipping_matches_when_it_acts"],
     "--seed": ["test_common.py::test_a_sample_depends_only_on_seed_and_index"],
-    "--dtype": ["test_common.py::test_dtype_sets_the_matmul_precision_under_autocast", "test_fsdp.py::test_bf16_gathers_weights_in_bf16_and_reduces_gradients_in_fp32"],
+    "--dtype": ["test_common.py::test_dtype_sets_the_matmul_precision_under_autocast", "test_fsdp.py::test_bf16_gathers_weights_in_bf16_and_reduces_gradients_in_fp32",
+                "test_simulate.py::test_bf16_crosses_the_wire_where_the_strategy_computes_in_it"],
     "--activation-checkpointing": ["test_common.py::test_activation_checkpointing_keeps_only_each_blocks_input", "test_tensor_parallel.py::test_tensor_parallel_matches_single_process"],
     "--compile": ["test_common.py::test_compile_compiles_every_block_in_place", "test_common.py::test_compile_compiles_the_loss_too",
                   "test_ddp.py::test_compile_sends_every_block_and_the_loss_through_torch_compile",
                   "test_tensor_parallel.py::test_compiled_tensor_parallel_matches_the_eager_single_process_run_after_run"],
-    "--float8": ["test_float8.py::test_every_block_linear_is_converted_and_the_head_is_not", "test_float8.py::test_two_ranks_train_the_single_process_float8_run", "test_float8.py::test_fsdp_gathers_float8_weights_and_a_float8_checkpoint_resumes_exactly_and_into_bf16", "test_float8.py::test_tensor_parallel_gathers_activations_in_float8"],
+    "--float8": ["test_float8.py::test_every_block_linear_is_converted_and_the_head_is_not", "test_float8.py::test_two_ranks_train_the_single_process_float8_run",
+                 "test_float8.py::test_fsdp_gathers_float8_weights_and_a_float8_checkpoint_resumes_exactly_and_into_bf16",
+                 "test_float8.py::test_tensor_parallel_gathers_activations_in_float8", "test_float8.py::test_context_parallel_gathers_float8_weights",
+                 "test_float8.py::test_tensor_parallel_under_fsdp_gathers_float8_weights_over_dp", "test_float8.py::test_pipelined_stages_convert_what_they_hold"],
     "--device": ["test_common.py::test_device_cuda_without_a_gpu_is_refused_before_any_process_group"],
     "--timeout": ["test_errors.py::test_every_rank_stalled_ends_the_job_within_the_timeout_in_one_line", "test_errors.py::test_a_silent_peer_fails_the_job_within_the_timeout"],
     "--log-every": ["test_options.py::test_profile_and_tensorboard_write_their_files"],
@@ -52,18 +57,19 @@ EFFECTS = {
     "--simulate": ["test_simulate.py::test_a_simulated_rank_counts_the_bytes_a_real_one_sends",
                    "test_simulate.py::test_a_simulated_fsdp_rank_holds_one_nth_of_the_training_state"],
     "--count-comm": ["test_simulate.py::test_a_simulated_rank_counts_the_bytes_a_real_one_sends", "test_ddp.py::test_results_line_has_every_field"],
-    "--simulate-rank": ["test_simulate.py::test_a_simulated_pipeline_rank_runs_what_the_real_rank_runs",
+    "--simulate-rank": ["test_simulate.py::test_a_simulated_pipeline_rank_runs_its_own_part_of_the_schedule",
                         "test_simulate.py::test_a_simulated_fsdp_rank_holds_one_nth_of_the_training_state"],
     "--checkpoint-every": ["test_checkpoint.py::test_the_last_step_is_saved_and_an_unreadable_newest_checkpoint_is_set_aside"],
     # ddp_train.py
-    "--comm-hook": ["test_ddp.py::test_comm_hook_is_close_but_not_exact"],
-    "--powersgd-start-iter": ["test_ddp.py::test_comm_hook_is_close_but_not_exact"],
+    "--comm-hook": ["test_ddp.py::test_comm_hook_is_close_but_not_exact", "test_simulate.py::test_a_simulated_rank_counts_the_bytes_a_real_one_sends"],
+    "--powersgd-start-iter": ["test_ddp.py::test_comm_hook_is_close_but_not_exact", "test_boundaries.py::test_powersgd_must_start_before_the_last_step"],
     # fsdp_train.py
     "--reshard-after-forward": ["test_fsdp.py::test_fsdp_matches_single_process"],
     "--no-reshard-after-forward": ["test_fsdp.py::test_fsdp_matches_single_process"],
     "--cpu-offload": ["test_fsdp.py::test_fsdp_matches_single_process"],
     # pipeline_train.py and hybrid_train.py
-    "--schedule": ["test_pipeline.py::test_schedule_matches_single_process", "test_hybrid.py::test_hybrid_matches_single_process"],
+    "--schedule": ["test_pipeline.py::test_schedule_matches_single_process", "test_hybrid.py::test_hybrid_matches_single_process",
+                   "test_simulate.py::test_a_simulated_rank_counts_the_bytes_a_real_one_sends"],
     "--micro-batches": ["test_pipeline.py::test_schedule_matches_single_process", "test_run_all.py"],
     "--stages-per-rank": ["test_pipeline.py::test_schedule_matches_single_process"],
     "--split": ["test_pipeline.py::test_schedule_matches_single_process", "test_model_parallel.py::test_model_parallel_matches_single_process"],
@@ -74,7 +80,7 @@ EFFECTS = {
     "--dp": ["test_tensor_parallel.py::test_tensor_parallel_matches_single_process"],
     "--sequence-parallel": ["test_tensor_parallel.py::test_tensor_parallel_matches_single_process"],
     # context_parallel_train.py
-    "--cp": ["test_context_parallel.py::test_context_parallel_matches_single_process"],
+    "--cp": ["test_context_parallel.py::test_context_parallel_matches_single_process", "test_context_parallel.py::test_a_simulated_rank_sends_what_a_real_one_sends"],
     # torch's context_parallel has no CPU kernel: here only its refusal shows (the GPU check is in BENCHMARKS.md)
     "--cp-impl": ["test_context_parallel.py::test_what_cannot_split_is_refused_in_one_line"],
 }
@@ -176,10 +182,13 @@ def test_the_gpu_matrix_runs_every_option_of_every_script_or_says_why_not(monkey
     assert not unrun, f"options the GPU matrix neither runs nor explains: {unrun}"
 
 
-def test_the_gpu_matrix_checkpoint_case_passes_a_run_stopped_by_sigterm_and_its_resume(tmp_path):
+def test_the_gpu_matrix_checkpoint_case_passes_a_run_stopped_by_sigterm_and_its_resume(tmp_path, monkeypatch):
     """The matrix's own check on the CPU: SIGTERM after step 3 saves and exits 0 (a run cut
     short, not a failure), and the resume goes on as the uninterrupted run."""
     gpu_options = _gpu_options()
+    # 16 steps, not the GPU's 100: the signal still lands long before the end (after step 3,
+    # it stops at 4 or 5), and the CPU trains each step of the three runs in ~0.1 s.
+    monkeypatch.setattr(gpu_options, "CHECKPOINT_STEPS", 16)
     args = argparse.Namespace(out=str(tmp_path), model="tiny", data=None)
     (tmp_path / "logs").mkdir()
     rows = gpu_options.checkpoint_case("ddp", args)

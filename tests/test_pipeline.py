@@ -8,8 +8,9 @@ from harness import assert_losses_match, assert_pipeline_ran, checkpointed, laun
 
 CLIP = ["--grad-clip", "0.3"]  # below every step's gradient norm (see test_ddp)
 CASES = [
-    # schedule, ranks, micro-batches, extra flags
-    ("gpipe", 2, 2, []),
+    # schedule, ranks, micro-batches, extra flags. GPipe and 1F1B run the same order where
+    # micro-batches equal stages: each is also run with more micro-batches than stages.
+    ("gpipe", 2, 4, []),
     ("gpipe", 4, 4, ["--grad-accum", "2", "--split", "1,2,3,2"]),
     ("1f1b", 2, 4, CLIP),
     ("1f1b", 4, 8, []),

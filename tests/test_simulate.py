@@ -8,21 +8,77 @@ import pytest
 
 import pipeline_train
 from sweep.predict import comm_seconds, predict, replay
-from harness import checkpointed, comm, launch
+from harness import checkpointed, comm, launch, simulate
+
+CLIP = ("--grad-clip", "0.3")
+# A real run of each option that changes what a rank sends or runs, with the arguments
+# another test launches it with (so the launch is shared): its rank 0 and a simulated
+# rank 0 must count the same collectives, transfers, dtypes and bytes. True: the
+# parity test's run that also saves checkpoints.
+AS_REAL = [
+    ("ddp_train.py", 2, (), True),
+    ("ddp_train.py", 2, ("--comm-hook", "fp16"), False),  # the hook's dtype, not the uncompressed bucket
+    ("ddp_train.py", 2, ("--comm-hook", "bf16"), False),
+    ("ddp_train.py", 2, ("--grad-accum", "2", "--activation-checkpointing"), False),
+    ("fsdp_train.py", 2, (), True),
+    ("fsdp_train.py", 4, ("--no-reshard-after-forward", "--grad-accum", "2"), False),
+    ("fsdp_train.py", 2, ("--cpu-offload", "--activation-checkpointing"), False),
+    ("tensor_parallel_train.py", 2, (), True),
+    ("tensor_parallel_train.py", 4, ("--sequence-parallel", "--activation-checkpointing"), False),
+    ("tensor_parallel_train.py", 4, ("--dp", "2", "--sequence-parallel", "--grad-accum", "2"), False),
+    ("model_parallel_train.py", 4, ("--grad-accum", "2", "--activation-checkpointing"), False),
+    ("pipeline_train.py", 2, ("--schedule", "gpipe", "--micro-batches", 4), True),
+    ("pipeline_train.py", 4, ("--schedule", "1f1b", "--micro-batches", 8), True),
+    ("pipeline_train.py", 2, ("--schedule", "interleaved-1f1b", "--micro-batches", 4, "--grad-accum", "2"), False),
+    ("pipeline_train.py", 2, ("--schedule", "zero-bubble", "--micro-batches", 2, *CLIP), False),
+    ("pipeline_train.py", 2, ("--schedule", "zbv", "--micro-batches", 4, "--grad-accum", "2"), False),
+    ("hybrid_train.py", 4, ("--pp", 2, "--dp-wrapper", "ddp", "--schedule", "gpipe", "--micro-batches", 4, *CLIP), False),
+    ("hybrid_train.py", 4, ("--pp", 2, "--dp-wrapper", "fsdp", "--schedule", "interleaved-1f1b", "--micro-batches", 2,
+                            "--mesh-order", "dp-pp"), False),
+    # Zero-bubble's weight gradients, which FSDP then reduce-scatters: every stage of the rank computes them.
+    ("hybrid_train.py", 4, ("--pp", 2, "--dp-wrapper", "fsdp", "--schedule", "zero-bubble", "--micro-batches", 2, *CLIP), False),
+    ("hybrid_train.py", 4, ("--pp", 2, "--dp-wrapper", "fsdp", "--schedule", "zbv", "--micro-batches", 2, "--grad-accum", "2"), False),
+    # FSDP's bf16 policy casts each stage's input: the simulated stage must expect bf16 from its peer.
+    ("hybrid_train.py", 4, ("--pp", 2, "--dp-wrapper", "fsdp", "--schedule", "gpipe", "--micro-batches", 2, "--dtype", "bf16"), False),
+]
 
 
-def simulate(script, n, rank=0, *args):
-    """A one-process run as rank `rank` of `n` (no torchrun: it is one process)."""
-    return launch(script, 1, "--simulate", n, "--simulate-rank", rank, *args)
-
-
-def test_a_simulated_rank_counts_the_bytes_a_real_one_sends():
-    real, sim = checkpointed("ddp_train.py", 2)[0], simulate("ddp_train.py", 2)
-    assert sim["simulated_rank"] == 0 and sim["world_size"] == 2
+@pytest.mark.parametrize("script,nproc,args,saves", AS_REAL,
+                         ids=[f"{s.removesuffix('_train.py')}-x{n}{'-' if a else ''}{'-'.join(str(x).strip('-') for x in a)}" for s, n, a, _ in AS_REAL])
+def test_a_simulated_rank_counts_the_bytes_a_real_one_sends(script, nproc, args, saves):
+    real = checkpointed(script, nproc, *args)[0] if saves else launch(script, nproc, *args)
+    sim = simulate(script, nproc, 0, *args)
+    assert sim["simulated_rank"] == 0 and sim["world_size"] == nproc
     assert sim["comm_per_step"] == real["comm_per_step"]
-    real, sim = launch("fsdp_train.py", 4, "--no-reshard-after-forward", "--grad-accum", "2"), \
-        simulate("fsdp_train.py", 4, 0, "--no-reshard-after-forward", "--grad-accum", "2")
-    assert sim["comm_per_step"] == real["comm_per_step"]
+    if "actions_last_step" in real:  # a pipeline's: the same schedule, the same order of work
+        assert sim["actions_last_step"] == real["actions_last_step"]
+
+
+# --dtype bf16, by what each strategy then sends (a simulated rank 0 of 2, or of 4 for
+# hybrid): {kind: the dtypes of its entries}.
+BF16_ON_THE_WIRE = [
+    # Autocast computes in bf16 but keeps fp32 weights: their gradients are all-reduced in fp32.
+    ("ddp_train.py", 2, (), {"all_reduce": {"float32"}}),
+    # Forward's partial sums come out of bf16 matmuls; backward's input gradients are fp32
+    # (the norms before the column-parallel matmuls run in fp32).
+    ("tensor_parallel_train.py", 2, (), {"all_reduce": {"bfloat16", "float32"}}),
+    # FSDP gathers bf16 weights, reduces fp32 gradients; the ring passes bf16 keys and
+    # values, and sums their gradients in fp32.
+    ("context_parallel_train.py", 2, (), {"all_gather": {"bfloat16"}, "reduce_scatter": {"float32"}, "send": {"bfloat16", "float32"}}),
+    # Under autocast the residual stream between stages stays fp32 ...
+    ("pipeline_train.py", 2, (), {"send": {"float32"}}),
+    ("model_parallel_train.py", 2, (), {"send": {"float32"}}),
+    ("hybrid_train.py", 4, ("--dp-wrapper", "ddp"), {"send": {"float32"}}),
+    # ... but FSDP's policy casts each unit's input, so with FSDP stages it crosses in bf16.
+    ("hybrid_train.py", 4, (), {"send": {"bfloat16"}, "all_gather": {"bfloat16"}, "reduce_scatter": {"float32"}}),
+]
+
+
+@pytest.mark.parametrize("script,nproc,args,dtypes", BF16_ON_THE_WIRE,
+                         ids=[f"{s.removesuffix('_train.py')}{'-' if a else ''}{'-'.join(a).strip('-')}" for s, _, a, _ in BF16_ON_THE_WIRE])
+def test_bf16_crosses_the_wire_where_the_strategy_computes_in_it(script, nproc, args, dtypes):
+    run = simulate(script, nproc, 0, "--dtype", "bf16", *args)
+    assert {kind: {e["dtype"] for e in run["comm_per_step"] if e["kind"] == kind} for kind in dtypes} == dtypes
 
 
 @pytest.mark.parametrize("n", [2, 8])
@@ -35,15 +91,11 @@ def test_a_simulated_fsdp_rank_holds_one_nth_of_the_training_state(n):
     assert comm(run, "reduce_scatter", list(range(n)))[1] == fp32_params  # what it contributes to, not what it keeps
 
 
-def test_a_simulated_pipeline_rank_runs_what_the_real_rank_runs():
-    real = launch("pipeline_train.py", 4, "--schedule", "1f1b", "--micro-batches", 8)
+def test_a_simulated_pipeline_rank_runs_its_own_part_of_the_schedule():
+    # The order each rank ran is the one the replay uses for it, on both ends of the pipe.
     for rank in (0, 3):
         sim = simulate("pipeline_train.py", 4, rank, "--schedule", "1f1b", "--micro-batches", 8)
-        # The order this rank ran is the one the replay uses for it, on both ends of the pipe.
         assert sim["actions_last_step"] == sim["pipeline_order"][str(rank)]
-        if rank == 0:
-            assert sim["actions_last_step"] == real["actions_last_step"]
-            assert sim["comm_per_step"] == real["comm_per_step"]
 
 
 def equal_stages(orders, stages_per_rank):
