@@ -52,6 +52,22 @@ class ReplicatedNorm(ParallelStyle):
         return DTensor.from_local(inputs[0], mesh, [Replicate()])
 
 
+def norms_output_in(model, dtype):
+    """Autocast runs LayerNorm in fp32 and casts its output for the next matmul only once
+    inside it, after the tensor-parallel boundary: the gather of that output (with SP) and,
+    in backward, the all-reduce or reduce-scatter of its gradient would move 4 bytes an
+    element. Cast where the norm ends and they move 2, as the matmuls compute anyway.
+    Without SP the gradient is a partial sum that DTensor reduces only where it must (the
+    norm's input, past the cast's backward): leaving and re-entering DTensor right after the
+    cast makes its backward reduce it there, in bf16."""
+    def cast(module, inputs, output):
+        output = output.to(dtype)
+        return DTensor.from_local(output.to_local(), output.device_mesh, output.placements)
+
+    for norm in [m for block in model.blocks.values() for m in (block.attn_norm, block.mlp_norm)] + [model.norm]:
+        norm.register_forward_hook(cast)
+
+
 def tensor_parallel(model, tp_mesh, sequence_parallel, float8):
     """Turn the model's weights into DTensors split over tp_mesh; the styles place the
     collectives between them."""
@@ -125,6 +141,8 @@ def main():
             fully_shard(block, mesh=mesh["dp"], mp_policy=precision)
         fully_shard(model, mesh=mesh["dp"], mp_policy=precision)
     autocast = common.autocast(args, env.device) if args.dp == 1 else nullcontext()
+    if args.dp == 1 and args.dtype == "bf16":
+        norms_output_in(model, torch.bfloat16)
 
     optimizer = common.make_optimizer(model, args)
     ckpt = common.checkpointer(args, cfg, model, optimizer)

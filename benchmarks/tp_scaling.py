@@ -4,6 +4,8 @@ DDP baseline, and the share of a profiled tp-4 step its GPU is busy. Issue 39's 
 tp-2 rank's step at most 0.6x of tp 1's, tp 4's at most 0.4x, its GPU busy at least 90%.
 
     python benchmarks/tp_scaling.py --out results/tp-scaling          # 2.5b, a few minutes
+    python benchmarks/tp_scaling.py --out results/tp32 --global-batch-size 32 --one-gpu-grad-accum 4
+                                                                      # the sweep's job at 4 GPUs
     python benchmarks/tp_scaling.py --gpu-busy results/x/profile        # only read a trace folder
 
 Every run appends its results line to OUT/results.jsonl and its output to OUT/<run>.log.
@@ -59,6 +61,8 @@ def main():
     p.add_argument("--model", default="2.5b")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--global-batch-size", type=int, default=8)
+    p.add_argument("--one-gpu-grad-accum", type=int, default=1, metavar="N",
+                   help="the DDP baseline and tp 1 step the same batch in N micro-steps (2.5b at 32 samples does not fit 80 GiB in one pass)")
     p.add_argument("--variants", default="plain,sp", help="which of plain and sp (--sequence-parallel) to run (default: both)")
     p.add_argument("--gpu-busy", metavar="DIR", help="only print the GPU busy share of the trace in DIR")
     args = p.parse_args()
@@ -70,11 +74,12 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     base = ["--model", args.model, "--steps", str(args.steps), "--global-batch-size", str(args.global_batch_size), "--compile"]
     rows, records = [], {}
-    records["ddp x1"] = run("ddp_x1", "ddp_train.py", base, args.out)
+    whole = [*base, "--grad-accum", str(args.one_gpu_grad_accum)]
+    records["ddp x1"] = run("ddp_x1", "ddp_train.py", whole, args.out)
     for sp in [[] if v == "plain" else ["--sequence-parallel"] for v in args.variants.split(",")]:
         for tp in (1, 2, 4):
             name = f"tp {tp}{' sp' if sp else ''}"
-            sim = [] if tp == 1 else ["--simulate", str(tp)]
+            sim = ["--grad-accum", str(args.one_gpu_grad_accum)] if tp == 1 else ["--simulate", str(tp)]
             records[name] = run(name.replace(" ", "_"), "tensor_parallel_train.py", [*base, *sim, *sp], args.out)
     profile = os.path.join(args.out, "profile_tp4")
     records["tp 4 profiled"] = run("tp_4_profiled", "tensor_parallel_train.py", [*base, "--simulate", "4", "--profile", profile], args.out)
