@@ -309,10 +309,10 @@ def loss_diffs(run, ref):
     return [abs(a - b) for a, b in zip(run["losses"], ref["losses"])]
 
 
-def comm(run, kind, group=None):
+def comm(run, kind, group=None, dtype=None):
     """(calls, bytes, dtypes) of one kind of collective in the run's counted step (rank 0's),
-    in every group or in the one of these global ranks."""
-    entries = [e for e in run["comm_per_step"] if e["kind"] == kind and group in (None, e["group"])]
+    in every group or in the one of these global ranks, of every dtype or of this one."""
+    entries = [e for e in run["comm_per_step"] if e["kind"] == kind and group in (None, e["group"]) and dtype in (None, e["dtype"])]
     return sum(e["calls"] for e in entries), sum(e["bytes"] for e in entries), {e["dtype"] for e in entries}
 
 

@@ -59,8 +59,7 @@ def test_a_simulated_rank_counts_the_bytes_a_real_one_sends(script, nproc, args,
 BF16_ON_THE_WIRE = [
     # Autocast computes in bf16 but keeps fp32 weights: their gradients are all-reduced in fp32.
     ("ddp_train.py", 2, (), {"all_reduce": {"float32"}}),
-    # Forward's partial sums come out of bf16 matmuls; backward's input gradients are fp32
-    # (the norms before the column-parallel matmuls run in fp32).
+    # Activations cross in bf16 (test_tensor_parallel counts them), the embeddings' in fp32.
     ("tensor_parallel_train.py", 2, (), {"all_reduce": {"bfloat16", "float32"}}),
     # FSDP gathers bf16 weights, reduces fp32 gradients; the ring passes bf16 keys and
     # values, and sums their gradients in fp32.

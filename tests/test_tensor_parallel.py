@@ -3,7 +3,7 @@ one process."""
 
 import pytest
 import common
-from harness import assert_losses_match, checkpointed, comm, launch, reference, run_script
+from harness import assert_losses_match, checkpointed, comm, launch, reference, run_script, simulate
 
 # One launch per layout; sequence parallelism, activation checkpointing and gradient
 # accumulation ride along so that each switch runs at least once.
@@ -61,3 +61,18 @@ def test_compiled_tensor_parallel_matches_the_eager_single_process_run_after_run
         assert record["config"]["compile"] and record["mesh"] == {"dp": 1, "tp": 2}
         assert_losses_match(record, reference())
         assert record["grad_norms"] == pytest.approx(reference()["grad_norms"], rel=1e-4), run
+
+
+@pytest.mark.parametrize("sp", [(), ("--sequence-parallel",)], ids=["plain", "sequence parallel"])
+def test_under_bf16_every_block_sends_its_activations_in_bf16(sp):
+    # Autocast's LayerNorm outputs fp32; the script casts it before the tp boundary, so the
+    # 4 activation collectives of each block and the head's input gradient move 2 bytes an
+    # element, forward and backward. Only the embeddings' output crosses in fp32.
+    run = simulate("tensor_parallel_train.py", 2, 0, "--dtype", "bf16", *sp)
+    cfg = common.PRESETS[run["model"]]
+    stream = run["global_batch_size"] * run["seq_len"] * cfg.d_model  # elements, whole on a rank
+    kinds = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
+    for kind in kinds:
+        calls, sent, _ = comm(run, kind, [0, 1], dtype="bfloat16")
+        assert (calls, sent) == (4 * cfg.n_layers + 1, (4 * cfg.n_layers + 1) * stream * 2), kind
+        assert comm(run, kind, [0, 1], dtype="float32")[1] <= 2 * stream * 4, kind
