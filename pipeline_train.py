@@ -24,7 +24,6 @@ Launch:
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage
 
 import common
 
@@ -189,6 +188,10 @@ def main():
     micro_batch = batch_per_call // args.micro_batches
     # A simulated rank is given what it receives and sends: no peer would answer the exchange.
     shapes = [common.option("simulate").stage_shapes(args, cfg, s, n_stages, micro_batch, env.device) if args.simulate else {} for s in stage_ids]
+    # Imported here, not at the top: sweep_report.py imports this file for its schedule
+    # arithmetic and would pay a second and a half for torch's pipelining package.
+    from torch.distributed.pipelining import PipelineStage
+
     stages = [PipelineStage(m, s, n_stages, env.device, **shape) for m, s, shape in zip(modules, stage_ids, shapes)]
     # Each micro-batch's loss is divided by every micro-batch of the step, so the summed
     # gradients are the global-batch mean (the schedule itself must not divide again).

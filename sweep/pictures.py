@@ -116,17 +116,15 @@ def _legend(ax, **options):
         ax.legend(**options)
 
 
-def _missing_note(fig, missing):
-    if missing:
-        fig.text(0.01, -0.01, "missing (not drawn): " + "; ".join(f"{m['name']} {m['why']}" for m in missing)[:300],
-                 fontsize=7, va="top", wrap=True)
-
-
 def _save(plt, fig, title, meta, missing, path):
-    fig.tight_layout(rect=(0, 0, 1, 0.92))  # room for the two title lines above the axes' own titles
-    fig.suptitle(f"{title}\n{meta}", fontsize=10)
-    _missing_note(fig, missing)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
+    # Laid out once, with room above for the two title lines and below for what is missing,
+    # and saved as laid out (bbox_inches="tight" would draw each picture twice more).
+    fig.tight_layout(rect=(0, 0.09 if missing else 0, 1, 0.89))
+    fig.suptitle(f"{title}\n{meta}", fontsize=10, wrap=True)
+    if missing:
+        fig.text(0.01, 0.01, "missing (not drawn): " + "; ".join(f"{m['name']} {m['why']}" for m in missing)[:300],
+                 fontsize=7, va="bottom", wrap=True)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
