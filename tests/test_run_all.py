@@ -63,6 +63,10 @@ def stub_sweep(tmp_path):
         shutil.copy(ROOT / name, folder)
     shutil.copytree(ROOT / "sweep", folder / "sweep")
     shutil.copytree(STUBS / "torch", folder / "torch")
+    # No pictures: drawing them is most of a stub sweep's time, and the real sweep's test
+    # (test_cpu_sweep_reports_what_the_runs_measured) checks them.
+    (folder / "matplotlib").mkdir()
+    (folder / "matplotlib" / "__init__.py").write_text('raise ImportError("the stub sweep draws no pictures")\n')
     (folder / "common.py").write_text(torchless("common"))
     stub = (STUBS / "stub_train.py").read_text()
     for script in STRATEGIES:  # pipeline_train.py also holds the helpers sweep/ imports from it
@@ -335,16 +339,17 @@ def parent(pid):
 @pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM", "reader left", "SIGKILL"])
 def test_a_signal_ends_the_sweep_and_its_running_ranks_within_seconds_and_reports_what_finished(stub_sweep, tmp_path, how):
     """The real torchrun (its ranks in sessions of their own) on 2 processes of a stub
-    that hangs; Ctrl-C is SIGINT to the terminal's process group, SIGTERM to the sweep,
-    a reader that left (`| head`) closes the sweep's output; a sweep killed outright can
-    say nothing, but its ranks still end."""
+    that hangs, after a row that finished; Ctrl-C is SIGINT to the terminal's process
+    group, SIGTERM to the sweep, a reader that left (`| head`) closes the sweep's output;
+    a sweep killed outright can say nothing, but its ranks still end."""
     (stub_sweep / "machine.json").write_text("[0, 0, \"none\"]")
     (stub_sweep / "stub.json").write_text(json.dumps({"hang": ["fsdp"]}))
     out = tmp_path / "out"
     stdout_file, stderr_file = open(tmp_path / "stdout", "w+"), open(tmp_path / "stderr", "w+")
+    env = {**os.environ, "PATH": stub_path(stub_sweep), "REAL_TORCHRUN": "fsdp_train.py"}
     proc = subprocess.Popen(["bash", "run_all.sh", "--strategies", "ddp,fsdp", "--gpus", "2", "--simulate", "none", "--out", str(out)],
-                            cwd=stub_sweep, stdout=subprocess.PIPE if how == "reader left" else stdout_file, stderr=stderr_file, text=True,
-                            start_new_session=True)
+                            cwd=stub_sweep, env=env, stdout=subprocess.PIPE if how == "reader left" else stdout_file, stderr=stderr_file,
+                            text=True, start_new_session=True)
     ranks, launcher = [], []
     try:
         deadline = time.monotonic() + 120
