@@ -251,7 +251,10 @@ def test_a_broken_pipe_ends_the_run():
 
 def test_ctrl_c_ends_the_run_and_its_workers_in_one_line():
     marker = f"TEST_MARKER={uuid.uuid4()}"
-    proc = plain_run(marker, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    # A terminal's job takes SIGINT as default, whatever this test run inherited (a suite
+    # started in the background, or under nohup, ignores it and passes that on).
+    proc = plain_run(marker, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     while not proc.stdout.readline().startswith("step     2/"):  # training is under way
         assert proc.poll() is None, proc.stderr.read()
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends its foreground process group

@@ -349,7 +349,8 @@ def test_a_signal_ends_the_sweep_and_its_running_ranks_within_seconds_and_report
     env = {**os.environ, "PATH": stub_path(stub_sweep), "REAL_TORCHRUN": "fsdp_train.py"}
     proc = subprocess.Popen(["bash", "run_all.sh", "--strategies", "ddp,fsdp", "--gpus", "2", "--simulate", "none", "--out", str(out)],
                             cwd=stub_sweep, env=env, stdout=subprocess.PIPE if how == "reader left" else stdout_file, stderr=stderr_file,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a terminal's job, whatever this run inherited
     ranks, launcher = [], []
     try:
         deadline = time.monotonic() + 120
