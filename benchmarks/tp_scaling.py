@@ -74,12 +74,12 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     base = ["--model", args.model, "--steps", str(args.steps), "--global-batch-size", str(args.global_batch_size), "--compile"]
     rows, records = [], {}
-    whole = [*base, "--grad-accum", str(args.one_gpu_grad_accum)]
-    records["ddp x1"] = run("ddp_x1", "ddp_train.py", whole, args.out)
+    one_gpu = ["--grad-accum", str(args.one_gpu_grad_accum)]
+    records["ddp x1"] = run("ddp_x1", "ddp_train.py", [*base, *one_gpu], args.out)
     for sp in [[] if v == "plain" else ["--sequence-parallel"] for v in args.variants.split(",")]:
         for tp in (1, 2, 4):
             name = f"tp {tp}{' sp' if sp else ''}"
-            sim = ["--grad-accum", str(args.one_gpu_grad_accum)] if tp == 1 else ["--simulate", str(tp)]
+            sim = one_gpu if tp == 1 else ["--simulate", str(tp)]
             records[name] = run(name.replace(" ", "_"), "tensor_parallel_train.py", [*base, *sim, *sp], args.out)
     profile = os.path.join(args.out, "profile_tp4")
     records["tp 4 profiled"] = run("tp_4_profiled", "tensor_parallel_train.py", [*base, "--simulate", "4", "--profile", profile], args.out)

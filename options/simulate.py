@@ -77,8 +77,8 @@ def stage_shapes(args, cfg, stage, n_stages, micro_batch, device, activation_dty
     logits_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     # A received stream requires grad, as the real first exchange makes it: zero-bubble's
     # split backward computes a stage's weight gradients only through such an input.
-    received = stream.clone().requires_grad_()
-    shapes = {"input_args": torch.zeros(micro_batch, args.seq_len, dtype=torch.long, device=device) if first else received,
+    shapes = {"input_args": torch.zeros(micro_batch, args.seq_len, dtype=torch.long, device=device) if first
+              else torch.zeros_like(stream, requires_grad=True),
               "output_args": torch.zeros(micro_batch, args.seq_len, cfg.vocab_size, dtype=logits_dtype, device=device) if last else stream,
               # Newer torch also wants the gradients' shapes up front (the same as the stream's).
               "input_grads": None if first else stream, "output_grads": None if last else stream}
