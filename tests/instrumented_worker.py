@@ -1,8 +1,9 @@
 """A strategy script (STRATEGY, a file name in the repository) run as __main__ under what
 INSTRUMENT names, which prints one line at the end for the test to read:
 
-- dynamo: torch.compile with dynamo's eager backend (it traces as inductor's would, with
-  no code generation), then `INSTRUMENT {dynamo's frame and graph counters}`.
+- dynamo: torch.compile with the backend BACKEND names (default eager: dynamo traces as
+  for inductor, with no code generation; aot_eager adds AOTAutograd, which takes DTensor
+  apart, and runs the graphs it makes), then `INSTRUMENT {dynamo's frame and graph counters}`.
 - flops: `INSTRUMENT {op: FLOPs}` of the matmuls this rank computes: torch's FlopCounterMode
   formulas on local tensors only (FlopCounterMode itself counts a DTensor op at its global
   shape, and DTensor's sharding propagation runs each op once more on fake tensors)."""
@@ -34,7 +35,8 @@ if os.environ["INSTRUMENT"] == "dynamo":
     from torch._dynamo.utils import counters
 
     compile_ = torch.compile
-    torch.compile = lambda *args, **kwargs: compile_(*args, **{**kwargs, "backend": "eager"})
+    backend = os.environ.get("BACKEND", "eager")
+    torch.compile = lambda *args, **kwargs: compile_(*args, **{**kwargs, "backend": backend})
     code = run()
     report = {"frames": counters["frames"].get("ok", 0), "graphs": counters["stats"].get("unique_graphs", 0),
               "graph_breaks": sum(counters["graph_break"].values())}
