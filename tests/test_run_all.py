@@ -54,11 +54,9 @@ def torchless(module):
     return "\n\n".join(parts) + "\n"
 
 
-@pytest.fixture
-def stub_sweep(tmp_path):
-    """A copy of the sweep whose scripts are stubs, its torchrun one process, its torch a stand-in."""
-    folder = tmp_path / "sweep"
-    folder.mkdir()
+def make_stub_sweep(folder):
+    """A copy of the sweep in folder whose scripts are stubs, its torchrun one process, its torch a stand-in."""
+    folder.mkdir(parents=True)
     for name in ("run_all.sh", "sweep_report.py"):
         shutil.copy(ROOT / name, folder)
     shutil.copytree(ROOT / "sweep", folder / "sweep")
@@ -75,6 +73,11 @@ def stub_sweep(tmp_path):
     shutil.copy(STUBS / "torchrun", folder / "bin" / "torchrun")
     (folder / "bin" / "torchrun").chmod(stat.S_IRWXU)
     return folder
+
+
+@pytest.fixture
+def stub_sweep(tmp_path):
+    return make_stub_sweep(tmp_path / "sweep")
 
 
 def stub_path(folder):
@@ -336,58 +339,74 @@ def parent(pid):
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
-@pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM", "reader left", "SIGKILL"])
-def test_a_signal_ends_the_sweep_and_its_running_ranks_within_seconds_and_reports_what_finished(stub_sweep, tmp_path, how):
-    """The real torchrun (its ranks in sessions of their own) on 2 processes of a stub
-    that hangs, after a row that finished; Ctrl-C is SIGINT to the terminal's process
-    group, SIGTERM to the sweep, a reader that left (`| head`) closes the sweep's output;
-    a sweep killed outright can say nothing, but its ranks still end."""
-    (stub_sweep / "machine.json").write_text("[0, 0, \"none\"]")
-    (stub_sweep / "stub.json").write_text(json.dumps({"hang": ["fsdp"]}))
-    out = tmp_path / "out"
-    stdout_file, stderr_file = open(tmp_path / "stdout", "w+"), open(tmp_path / "stderr", "w+")
-    env = {**os.environ, "PATH": stub_path(stub_sweep), "REAL_TORCHRUN": "fsdp_train.py"}
-    proc = subprocess.Popen(["bash", "run_all.sh", "--strategies", "ddp,fsdp", "--gpus", "2", "--simulate", "none", "--out", str(out)],
-                            cwd=stub_sweep, env=env, stdout=subprocess.PIPE if how == "reader left" else stdout_file, stderr=stderr_file,
+def hanging_sweep(folder, how):
+    """A stub sweep whose second row, fsdp x2, runs the real torchrun (its ranks in sessions
+    of their own) on 2 processes of a stub that hangs, after a row that finished."""
+    sweep = make_stub_sweep(folder / "sweep")
+    (sweep / "machine.json").write_text("[0, 0, \"none\"]")
+    (sweep / "stub.json").write_text(json.dumps({"hang": ["fsdp"]}))
+    env = {**os.environ, "PATH": stub_path(sweep), "REAL_TORCHRUN": "fsdp_train.py"}
+    stdout, stderr = open(folder / "stdout", "w+"), open(folder / "stderr", "w+")
+    return subprocess.Popen(["bash", "run_all.sh", "--strategies", "ddp,fsdp", "--gpus", "2", "--simulate", "none", "--out", str(folder / "out")],
+                            cwd=sweep, env=env, stdout=subprocess.PIPE if how == "reader left" else stdout, stderr=stderr,
                             text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a terminal's job, whatever this run inherited
-    ranks, launcher = [], []
+
+
+def end_hanging_sweep(folder, proc, how):
+    """Once both ranks hang, end the sweep as `how` does; returns (seconds until the sweep,
+    its torchrun and its ranks were gone, those still alive)."""
+    deadline, ranks = time.monotonic() + 120, []
+    while len(ranks) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+        ranks = [int(p.suffix[1:]) for p in (folder / "sweep").glob("hung.*")]
+    assert len(ranks) == 2 and proc.poll() is None, (folder / "stdout").read_text() + (folder / "stderr").read_text()
+    processes = ranks + [parent(ranks[0])]  # and torchrun
+    start = time.monotonic()
+    if how == "Ctrl-C":
+        os.killpg(proc.pid, signal.SIGINT)
+    elif how in ("SIGTERM", "SIGKILL"):
+        proc.send_signal(getattr(signal, how))
+    else:
+        proc.stdout.close()
+    proc.wait(timeout=30)
+    while [pid for pid in processes if alive(pid)] and time.monotonic() < start + 30:
+        time.sleep(0.1)
+    left = [pid for pid in processes if alive(pid)]
+    for pid in left:  # a sweep that failed to end them must not leave them behind
+        os.kill(pid, signal.SIGKILL)
+    return time.monotonic() - start, left
+
+
+def test_a_signal_ends_the_sweep_and_its_running_ranks_within_seconds_and_reports_what_finished(tmp_path):
+    """Ctrl-C is SIGINT to the terminal's process group, SIGTERM to the sweep, a reader that
+    left (`| head`) closes the sweep's output; a sweep killed outright can say nothing, but
+    its ranks still end. The four sweeps start side by side: each waits on torchrun."""
+    hows = ["Ctrl-C", "SIGTERM", "reader left", "SIGKILL"]
+    procs = {how: hanging_sweep(tmp_path / how.replace(" ", "-"), how) for how in hows}
     try:
-        deadline = time.monotonic() + 120
-        while len(ranks) < 2 and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.1)  # until both ranks of fsdp x2 hang
-            ranks = [int(p.suffix[1:]) for p in stub_sweep.glob("hung.*")]
-        assert len(ranks) == 2 and proc.poll() is None, (tmp_path / "stdout").read_text() + (tmp_path / "stderr").read_text()
-        launcher = [parent(ranks[0])]  # torchrun
-        start = time.monotonic()
-        if how == "Ctrl-C":
-            os.killpg(proc.pid, signal.SIGINT)
-        elif how in ("SIGTERM", "SIGKILL"):
-            proc.send_signal(getattr(signal, how))
-        else:
-            proc.stdout.close()
-        proc.wait(timeout=30)
-        while [pid for pid in ranks + launcher if alive(pid)] and time.monotonic() < start + 30:
-            time.sleep(0.1)
-        seconds = time.monotonic() - start
+        for how, proc in procs.items():
+            folder = tmp_path / how.replace(" ", "-")
+            seconds, left = end_hanging_sweep(folder, proc, how)
+            assert seconds < 15 and not left, (how, seconds, left)
+            if how == "SIGKILL":
+                continue
+            stdout, stderr = (folder / "stdout").read_text(), (folder / "stderr").read_text()
+            name, code = {"Ctrl-C": ("SIGINT", 130), "SIGTERM": ("SIGTERM", 143), "reader left": ("SIGPIPE", 141)}[how]
+            assert proc.returncode == code, (how, proc.returncode, stderr)
+            lines = stderr.splitlines()
+            assert len(lines) == 1 and re.fullmatch(rf"run_all.sh: {name} during \[2/2\]: 1 of 2 runs finished \(ddp x2\); the table below is theirs",
+                                                    lines[0]), (how, stderr)
+            assert "Traceback" not in stdout + stderr, how
+            assert how == "reader left" or "[2/2] fsdp x2, global batch 16 ... interrupted after" in stdout, (how, stdout)
+            assert [(row[0], row[1]) for row in table_md_rows(folder / "out" / "table.md")] == [("ddp", "2")], how
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        for pid in ranks + launcher:  # a sweep that failed to end them must not leave them behind
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-    assert seconds < 15 and not [pid for pid in ranks + launcher if alive(pid)], (seconds, ranks, launcher)
-    if how == "SIGKILL":
-        return
-    stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
-    name, code = {"Ctrl-C": ("SIGINT", 130), "SIGTERM": ("SIGTERM", 143), "reader left": ("SIGPIPE", 141)}[how]
-    assert proc.returncode == code, (proc.returncode, stderr)
-    lines = stderr.splitlines()
-    assert len(lines) == 1 and re.fullmatch(rf"run_all.sh: {name} during \[2/2\]: 1 of 2 runs finished \(ddp x2\); the table below is theirs",
-                                            lines[0]), stderr
-    assert "Traceback" not in stdout + stderr
-    assert how == "reader left" or "[2/2] fsdp x2, global batch 16 ... interrupted after" in stdout
-    assert [(row[0], row[1]) for row in table_md_rows(out / "table.md")] == [("ddp", "2")]
+        for how, proc in procs.items():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            for path in (tmp_path / how.replace(" ", "-") / "sweep").glob("hung.*"):
+                if alive(int(path.suffix[1:])):
+                    os.kill(int(path.suffix[1:]), signal.SIGKILL)
 
 
 def test_exported_out_and_model_do_not_steer_the_sweep(stub_sweep, tmp_path):
