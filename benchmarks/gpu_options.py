@@ -139,10 +139,12 @@ def checkpoint_case(strategy, args):
     """Uninterrupted, SIGTERM after step 3, resume: the resume must continue as the uninterrupted run.
     Enough steps that the signal lands long before the end."""
     base, steps = BASE.get(strategy, []), CHECKPOINT_STEPS
-    whole = run_case(strategy, base, args, f"{strategy}-uninterrupted", steps)
     folder = os.path.join(args.out, "cases", f"{strategy}-checkpoints")
     shutil.rmtree(folder, ignore_errors=True)
-    stopped = run_case(strategy, base, args, f"{strategy}-sigterm", steps, sigterm_after=3, checkpoint_dir=folder)
+    with ThreadPoolExecutor(2) as pool:  # independent runs: side by side
+        uninterrupted = pool.submit(run_case, strategy, base, args, f"{strategy}-uninterrupted", steps)
+        stopped = run_case(strategy, base, args, f"{strategy}-sigterm", steps, sigterm_after=3, checkpoint_dir=folder)
+        whole = uninterrupted.result()
     resumed = run_case(strategy, base, args, f"{strategy}-resume", steps, checkpoint_dir=folder)
     rows = [(strategy, "checkpoint: uninterrupted", *whole[:2]), (strategy, "checkpoint: SIGTERM after step 3, saves", *stopped[:2])]
     outcome = resumed[0]

@@ -121,7 +121,7 @@ def test_periodic_saves_are_written_behind_training(tmp_path):
     # The step-2 save takes 2 s longer to write: written behind training, step 3 is logged
     # before it is committed (the step-4 save then waits for it: one save at a time).
     args = ["--steps", "6", "--checkpoint-dir", tmp_path, "--checkpoint-every", "2"]
-    proc, records = run_script("ddp_train.py", 2, args, env={"TRAIN_FAULT": "slow-save:2"})
+    proc, records = run_script("ddp_train.py", 2, args, env={"TRAIN_FAULT": "slow-save:2"}, forked=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     committed = lines.index(f"saved {tmp_path}/step_00000002 (written behind training)")
@@ -139,7 +139,7 @@ def test_a_failed_background_save_ends_the_job_and_keeps_the_last_checkpoint(tmp
     # the newest checkpoint and step 4 uncommitted.
     args = ["--steps", "100", "--checkpoint-dir", tmp_path, "--checkpoint-every", "2"]
     start = time.monotonic()
-    proc, records = run_script("ddp_train.py", 2, args, env={"TRAIN_FAULT": "raise-in-save:4:1"}, timeout=60)
+    proc, records = run_script("ddp_train.py", 2, args, env={"TRAIN_FAULT": "raise-in-save:4:1"}, timeout=60, forked=True)
     assert proc.returncode != 0 and records == [], proc.stdout[-2000:]
     assert time.monotonic() - start < 30
     assert "fault injection: raise-in-save on rank 1 at step 4" in proc.stderr

@@ -69,7 +69,7 @@ def test_a_node_that_never_comes_ends_the_launch_within_the_rendezvous_timeout(t
     # c10d's rendezvous waits join_timeout (600 s unless set) for every node. What ends the
     # launch is torchrun's own uncaught error: a traceback that nothing in this repository
     # prints or can shorten, whose last line names the cause.
-    join_timeout = 2
+    join_timeout = 1
     start = time.monotonic()
     head = start_node(0, tmp_path, marker, free_port(), torchrun_args=[f"--rdzv_conf=join_timeout={join_timeout}"])
     code = head.wait(timeout=60)
