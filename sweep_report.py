@@ -16,6 +16,7 @@ Its parts live in sweep/ (see sweep/__init__.py): the lines read and checked, th
 predictions, the settings chosen, the plan and the pictures."""
 
 import argparse
+import filecmp
 import os
 import shutil
 import sys
@@ -29,6 +30,9 @@ from sweep.plan import parse_spec, plan, plan_line
 from sweep.predict import SPLIT_PARTS, link_bandwidth
 from sweep.settings import (candidate_predictions, choose, does_not_fit, failed_prediction_cell, flags_of, measured_tried, predicted_rate,
                             predictions, shown)
+
+# The lines a report is built from; --into keeps copies of them beside it.
+LINE_FILES = ("results.jsonl", "simulated.jsonl", "failures.jsonl")
 
 
 # ----------------------------------------------------------------------------
@@ -345,6 +349,18 @@ def prepare_into(into, out_dir, given):
         raise InputError(f"{option} cannot be made: {e.strerror or e}") from None
     if not os.access(into, os.W_OK | os.X_OK):
         raise InputError(f"{option} is not writable" + ("" if given else ": write the table and report elsewhere with --into DIR"))
+    copies = LINE_FILES if given and os.path.realpath(into) != os.path.realpath(out_dir) else ()
+    for name in ("table.md", "REPORT.md", *PICTURES.values(), *copies):
+        path = os.path.join(into, name)
+        # Opening a FIFO to write waits for a reader forever; a device or folder takes nothing.
+        if os.path.lexists(path) and not os.path.isfile(path):
+            raise InputError(f"cannot write into {into}: {path} is not a regular file"
+                             + ("; write them elsewhere with --into DIR" if not given else "; remove it or name another folder"))
+    for name in copies:  # another sweep's lines may be the only copy of them: never replaced
+        mine, theirs = os.path.join(out_dir, name), os.path.join(into, name)
+        if os.path.exists(theirs) and not (os.path.exists(mine) and filecmp.cmp(mine, theirs, shallow=False)):
+            raise InputError(f"--into {into} holds a {name} that is not {out_dir}'s (another sweep's lines): "
+                             "name a folder of its own, or remove it first")
 
 
 def report(args):
@@ -384,7 +400,7 @@ def report(args):
         # A report folder of its own (docs/): the lines it is built from go with it, so that
         # it rebuilds there; the sweep's folder may be read-only.
         if args.into and os.path.realpath(into) != os.path.realpath(out_dir):
-            for name in ("results.jsonl", "simulated.jsonl", "failures.jsonl"):
+            for name in LINE_FILES:
                 if os.path.exists(os.path.join(out_dir, name)):
                     shutil.copyfile(os.path.join(out_dir, name), os.path.join(into, name))
         with open(os.path.join(into, "table.md"), "w") as f:

@@ -7,6 +7,7 @@ import math
 import os
 import random
 import re
+import threading
 
 import pytest
 
@@ -302,6 +303,37 @@ def test_a_folder_that_cannot_be_read_or_written_is_named_with_what_to_do(tmp_pa
     (folder / "results.jsonl").mkdir()
     code, _, err = report([str(folder), "--into", str(tmp_path / "docs")], capsys)
     assert code == 2 and len(err) == 1 and err[0].endswith("results.jsonl is not a file of results lines"), err
+
+
+def test_an_output_that_would_wait_vanish_or_replace_lines_is_refused_before_anything_is_written(tmp_path, capsys):
+    folder = sweep_folder(tmp_path)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    # A FIFO in place of REPORT.md: opening it to write would wait for a reader forever (a
+    # reader opens it after 10 s, so that a missing check fails the test instead of hanging
+    # it). A link to /dev/null in place of a picture: the picture would vanish.
+    os.mkfifo(folder / "REPORT.md")
+    (folder / pictures.PICTURES["loss"]).symlink_to(os.devnull)
+    unblock = threading.Timer(10, lambda: os.close(os.open(folder / "REPORT.md", os.O_RDONLY | os.O_NONBLOCK)))
+    unblock.start()
+    try:
+        for name in ("REPORT.md", pictures.PICTURES["loss"]):
+            code, _, err = report([str(folder)], capsys)
+            assert code == 2 and len(err) == 1 and err[0].endswith(f"{folder / name} is not a regular file; write them elsewhere with --into DIR"), err
+            (folder / name).unlink()
+    finally:
+        unblock.cancel()
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # the table was not written either
+    # --into a folder that holds another sweep's lines: they may be its only copy.
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "simulated.jsonl").write_text("another sweep's\n")
+    code, _, err = report([str(folder), "--into", str(docs)], capsys)
+    assert code == 2 and len(err) == 1 and f"--into {docs} holds a simulated.jsonl that is not {folder}'s" in err[0], err
+    assert os.listdir(docs) == ["simulated.jsonl"] and (docs / "simulated.jsonl").read_text() == "another sweep's\n"
+    # Copies of this sweep's own lines are what --into keeps: a rebuild into the same folder goes on.
+    (docs / "simulated.jsonl").unlink()
+    assert report([str(folder), "--into", str(docs)], capsys)[0] == 0
+    assert report([str(folder), "--into", str(docs)], capsys)[0] == 0
 
 
 def damaged_lines(line):
