@@ -8,6 +8,7 @@ steps it slows out of throughput.
 """
 
 import os
+import re
 import time
 
 import torch
@@ -19,6 +20,9 @@ def check_args(args, cfg):
     common.check(args.steps >= args.timing_warmup_steps + 4, f"--profile traces 3 steps after --timing-warmup-steps "
                  f"{args.timing_warmup_steps} and one more: it needs --steps of at least {args.timing_warmup_steps + 4}")
     common.check_folder("--profile", args.profile)
+    for name in os.listdir(args.profile):  # what the ranks write there; a FIFO in its place would wait for a reader forever
+        path = os.path.join(args.profile, name)
+        common.check(not re.fullmatch(r"trace_rank\d+\.json|ops_rank\d+\.txt", name) or os.path.isfile(path), f"--profile: {path} is not a regular file")
 
 
 class Profiler(common.StepHook):

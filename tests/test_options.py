@@ -7,6 +7,7 @@ import argparse
 import ast
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -159,6 +160,16 @@ def test_profile_and_tensorboard_write_their_files(tmp_path):
                                                                        for _, s in scalars["step_seconds"]], rel=1e-5)
     # --log-every 4: the step line of step 4 and of the last step, no other.
     assert [line.split("|")[0].split()[1] for line in proc.stdout.splitlines() if line.startswith("step ")] == ["4/7", "7/7"]
+
+
+def test_a_profile_output_that_is_not_a_regular_file_is_refused_before_training(tmp_path):
+    # Rank 1's op table would be opened for writing: a FIFO waits for a reader forever (its
+    # step watchdog, 5 s here, would end that run: a refusal it is not).
+    (tmp_path / "prof").mkdir()
+    os.mkfifo(tmp_path / "prof" / "ops_rank1.txt")
+    proc, records = run_script("ddp_train.py", 2, ["--steps", "5", "--profile", tmp_path / "prof", "--timeout", "5"], forked=True, timeout=60)
+    assert proc.returncode == 2 and records == [] and "step " not in proc.stdout, proc.stderr[-2000:]
+    assert proc.stderr.strip() == f"error: --profile: {tmp_path / 'prof' / 'ops_rank1.txt'} is not a regular file", proc.stderr[-2000:]
 
 
 def _gpu_options():
