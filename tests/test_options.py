@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import common
-from harness import ROOT, TINY, run_script
+from harness import ROOT, run_script
 
 SCRIPTS = ["ddp_train.py", "model_parallel_train.py", "pipeline_train.py", "hybrid_train.py", "fsdp_train.py", "tensor_parallel_train.py", "context_parallel_train.py"]
 REPORTING_ONLY = "reporting only"
