@@ -4,7 +4,7 @@ every data-parallel wrapper offered, and DDP's replicas must stay identical."""
 import pytest
 
 import pipeline_train
-from harness import assert_losses_match, assert_pipeline_ran, checkpointed, comm, launch, reference, run_script
+from harness import assert_losses_match, assert_pipeline_ran, checkpointed, launch, reference, run_script
 
 CLIP = ["--grad-clip", "0.3"]  # below every step's gradient norm (see test_ddp)
 CASES = [
