@@ -20,9 +20,12 @@ def check_args(args, cfg):
     common.check(args.steps >= args.timing_warmup_steps + 4, f"--profile traces 3 steps after --timing-warmup-steps "
                  f"{args.timing_warmup_steps} and one more: it needs --steps of at least {args.timing_warmup_steps + 4}")
     common.check_folder("--profile", args.profile)
-    for name in os.listdir(args.profile):  # what the ranks write there; a FIFO in its place would wait for a reader forever
+    # What the ranks write there: a FIFO in its place would wait for a reader forever, a
+    # device swallow it. (A folder in its place fails the write itself, in one line.)
+    for name in os.listdir(args.profile):
         path = os.path.join(args.profile, name)
-        common.check(not re.fullmatch(r"trace_rank\d+\.json|ops_rank\d+\.txt", name) or os.path.isfile(path), f"--profile: {path} is not a regular file")
+        common.check(not re.fullmatch(r"trace_rank\d+\.json|ops_rank\d+\.txt", name) or os.path.isfile(path) or os.path.isdir(path),
+                     f"--profile: {path} is not a regular file")
 
 
 class Profiler(common.StepHook):
