@@ -339,7 +339,8 @@ class _Parser(argparse.ArgumentParser):
 
 def prepare_into(into, out_dir, given):
     """The folder the table and report go into, made where --into names a new one; an
-    InputError if it cannot take them."""
+    InputError if it cannot take them. Returns the lines files to copy there (--into a
+    folder other than the sweep's)."""
     option = f"--into {into}" if given else out_dir
     if os.path.exists(into) and not os.path.isdir(into):
         raise InputError(f"{option} is not a folder")
@@ -361,6 +362,7 @@ def prepare_into(into, out_dir, given):
         if os.path.exists(theirs) and not (os.path.exists(mine) and filecmp.cmp(mine, theirs, shallow=False)):
             raise InputError(f"--into {into} holds a {name} that is not {out_dir}'s (another sweep's lines): "
                              "name a folder of its own, or remove it first")
+    return copies
 
 
 def report(args):
@@ -373,7 +375,7 @@ def report(args):
         raise InputError(f"{out_dir} holds no usable results line, so there is nothing to report ("
                          + (f"{len(skipped)} damaged, named above)" if skipped else "results.jsonl, simulated.jsonl and failures.jsonl are missing or empty)"))
     into = args.into or out_dir
-    prepare_into(into, out_dir, args.into is not None)
+    copies = prepare_into(into, out_dir, args.into is not None)
     sample = (records + simulated or [{}])[0]
     intra, inter, source = link_bandwidth(sample.get("gpu_name"), args.intra_gbps, args.inter_gbps)
     bandwidth = (intra, inter, args.gpus_per_node)
@@ -399,10 +401,9 @@ def report(args):
     try:
         # A report folder of its own (docs/): the lines it is built from go with it, so that
         # it rebuilds there; the sweep's folder may be read-only.
-        if args.into and os.path.realpath(into) != os.path.realpath(out_dir):
-            for name in LINE_FILES:
-                if os.path.exists(os.path.join(out_dir, name)):
-                    shutil.copyfile(os.path.join(out_dir, name), os.path.join(into, name))
+        for name in copies:
+            if os.path.exists(os.path.join(out_dir, name)):
+                shutil.copyfile(os.path.join(out_dir, name), os.path.join(into, name))
         with open(os.path.join(into, "table.md"), "w") as f:
             f.write("\n".join([table, "", "Which strategy wins:", "", *[f"- {line}" for line in verdict], ""]))
         pictures = write_report(into, records, failures, simulated, sim_failures, bandwidth, table, notes, link=not args.into, skipped=skipped)

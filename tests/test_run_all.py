@@ -346,11 +346,11 @@ def hanging_sweep(folder, how):
     (sweep / "machine.json").write_text("[0, 0, \"none\"]")
     (sweep / "stub.json").write_text(json.dumps({"hang": ["fsdp"]}))
     env = {**os.environ, "PATH": stub_path(sweep), "REAL_TORCHRUN": "fsdp_train.py"}
-    stdout, stderr = open(folder / "stdout", "w+"), open(folder / "stderr", "w+")
-    return subprocess.Popen(["bash", "run_all.sh", "--strategies", "ddp,fsdp", "--gpus", "2", "--simulate", "none", "--out", str(folder / "out")],
-                            cwd=sweep, env=env, stdout=subprocess.PIPE if how == "reader left" else stdout, stderr=stderr,
-                            text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a terminal's job, whatever this run inherited
+    with open(folder / "stdout", "w") as stdout, open(folder / "stderr", "w") as stderr:
+        return subprocess.Popen(["bash", "run_all.sh", "--strategies", "ddp,fsdp", "--gpus", "2", "--simulate", "none", "--out", str(folder / "out")],
+                                cwd=sweep, env=env, stdout=subprocess.PIPE if how == "reader left" else stdout, stderr=stderr,
+                                text=True, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a terminal's job, whatever this run inherited
 
 
 def end_hanging_sweep(folder, proc, how):
@@ -382,11 +382,11 @@ def test_a_signal_ends_the_sweep_and_its_running_ranks_within_seconds_and_report
     """Ctrl-C is SIGINT to the terminal's process group, SIGTERM to the sweep, a reader that
     left (`| head`) closes the sweep's output; a sweep killed outright can say nothing, but
     its ranks still end. The four sweeps start side by side: each waits on torchrun."""
-    hows = ["Ctrl-C", "SIGTERM", "reader left", "SIGKILL"]
-    procs = {how: hanging_sweep(tmp_path / how.replace(" ", "-"), how) for how in hows}
+    folders = {how: tmp_path / how.replace(" ", "-") for how in ["Ctrl-C", "SIGTERM", "reader left", "SIGKILL"]}
+    procs = {how: hanging_sweep(folder, how) for how, folder in folders.items()}
     try:
         for how, proc in procs.items():
-            folder = tmp_path / how.replace(" ", "-")
+            folder = folders[how]
             seconds, left = end_hanging_sweep(folder, proc, how)
             assert seconds < 15 and not left, (how, seconds, left)
             if how == "SIGKILL":
@@ -404,7 +404,7 @@ def test_a_signal_ends_the_sweep_and_its_running_ranks_within_seconds_and_report
         for how, proc in procs.items():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-            for path in (tmp_path / how.replace(" ", "-") / "sweep").glob("hung.*"):
+            for path in (folders[how] / "sweep").glob("hung.*"):
                 if alive(int(path.suffix[1:])):
                     os.kill(int(path.suffix[1:]), signal.SIGKILL)
 

@@ -55,7 +55,7 @@ def test_compiled_tensor_parallel_matches_the_eager_single_process_run():
     # local ops and collectives; inductor would add only its kernels for those (15 s of C++
     # builds on 2 cores), which the GPU runs exercise. The loss stays eager (a compiled one
     # would carry a rank's constants through the compile cache to the next run's other
-    # ranks): test_compile counts the graphs.
+    # ranks): one graph, the blocks'.
     proc, records = run_script("tests/instrumented_worker.py", 2, ["--compile"], forked=True,
                                env={"STRATEGY": "tensor_parallel_train.py", "INSTRUMENT": "dynamo", "BACKEND": "aot_eager"})
     assert proc.returncode == 0, proc.stderr[-3000:]
